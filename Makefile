@@ -1,0 +1,61 @@
+# dsv4-parity — the two commands a new user runs: `make parity` and `make test`.
+# Without PYTHON=..., both bootstrap a CPU virtual environment in .venv (torch==2.13.0 + the project's
+# dependencies). On a GPU runner whose Python already has CUDA torch (and optionally cudnn-frontend /
+# FlashMLA), pass it instead: `make parity PYTHON=python3` runs in that interpreter, installing nothing.
+
+VENV      ?= .venv
+SUITE     ?= smoke
+PROVIDER  ?= auto
+OUT       ?= reports/out/latest
+WORKERS   ?= 2
+
+ifdef PYTHON
+PY        := $(PYTHON)
+BOOTSTRAP :=
+else
+PY        := $(VENV)/bin/python
+BOOTSTRAP := $(VENV)/.installed
+endif
+
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
+.PHONY: help parity test test-all report mutants bench cases venv clean
+
+help:
+	@echo "make parity   run the parity suite (SUITE=$(SUITE), PROVIDER=$(PROVIDER)) and write a report under reports/out/"
+	@echo "make test     run the project's own tests (pytest, $(WORKERS) workers)"
+	@echo "make report   render the latest run's terminal/CSV/HTML report"
+	@echo "make mutants  run the mutation suite (every planted bug must be caught)"
+	@echo "make bench    benchmark the reference, the fused path and the harness"
+	@echo "Variables: PYTHON=python3 (use an existing interpreter, e.g. CUDA torch), SUITE, PROVIDER, OUT, WORKERS"
+
+venv: $(BOOTSTRAP)
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+parity: $(BOOTSTRAP)
+	$(PY) -m parity.cli run --suite $(SUITE) --provider $(PROVIDER) --out $(OUT) --make-default
+
+test: $(BOOTSTRAP)
+	$(PY) tests/setup_browser.py || true
+	$(PY) -m pytest -n $(WORKERS) -q
+
+report: $(BOOTSTRAP)
+	$(PY) -m parity.cli report $(OUT)
+
+mutants: $(BOOTSTRAP)
+	$(PY) -m parity.cli mutants --suite smoke
+
+bench: $(BOOTSTRAP)
+	$(PY) -m parity.cli bench
+
+cases: $(BOOTSTRAP)
+	$(PY) -m parity.cli cases --suite $(SUITE)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis reports/out
