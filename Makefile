@@ -4,7 +4,9 @@
 # FlashMLA), pass it instead: `make parity PYTHON=python3` runs in that interpreter, installing nothing.
 
 VENV      ?= .venv
-SUITE     ?= smoke
+# `make parity` runs the GPU gate suite when CUDA is available (the cudnn / flashmla providers, where installed,
+# are then required for every stage they support), else the CPU smoke suite.
+SUITE     ?= $(shell $(PY) -c 'import torch; print("gate" if torch.cuda.is_available() else "smoke")' 2>/dev/null || echo smoke)
 PROVIDER  ?= auto
 OUT       ?= reports/out/latest
 WORKERS   ?= 2

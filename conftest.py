@@ -9,3 +9,13 @@ import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def pytest_addoption(parser):
+    """Parity options (tests/parity/test_suite_cases.py runs every case of ``--suite`` as one test)."""
+    group = parser.getgroup("dsv4-parity")
+    group.addoption("--suite", default="smoke", help="suite whose cases tests/parity/test_suite_cases.py runs "
+                                                     "(smoke, gate, nightly, production; default smoke)")
+    group.addoption("--parity-impl", default="fused", help="implementation under test (default fused)")
+    group.addoption("--parity-against", default="reference", help="the truth implementation (default reference)")
+    group.addoption("--parity-provider", default="auto", help="fused kernel provider (default auto)")

@@ -59,7 +59,10 @@ class Case:
         self.layout.validate("layout")
         if isinstance(self.layout, ThdLayout):
             self.layout.validate_for_ratio(self.config.compress_ratio)
-        require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            require(self.layout.num_real_rows > 0, "layout.cu_seqlens",
+                    "has no real token (every segment is padding): nothing to compare, and a mean loss over 0 rows")
+        require(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype",
+                f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         require(isinstance(self.training, bool), "training", f"must be true or false, got {self.training!r}")
         require(self.scope in SCOPES, "scope", f"must be one of {SCOPES}, got {self.scope!r}")
         require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2 ** 63, "seed",

@@ -9,6 +9,7 @@ Symbols used in docstrings across the project:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -93,6 +94,10 @@ class ModelConfig:
             elif field.type == "float":
                 require(isinstance(value, (int, float)) and not isinstance(value, bool), f(field.name),
                         f"must be a number, got {value!r}")
+                require(math.isfinite(value), f(field.name), f"must be finite, got {value!r}")
+        for name in ("layernorm_epsilon", "rotary_base", "csa_compress_rotary_base", "rotary_scaling_factor",
+                     "original_max_position_embeddings"):
+            require(getattr(self, name) > 0, f(name), f"must be positive, got {getattr(self, name)}")
         require(self.compress_ratio in COMPRESS_RATIOS, f("compress_ratio"),
                 f"must be one of {COMPRESS_RATIOS}, got {self.compress_ratio}")
         for name in ("hidden_size", "num_attention_heads", "v_head_dim", "qk_pos_emb_head_dim", "q_lora_rank",

@@ -204,7 +204,7 @@ def layout_from_dict(data: Mapping[str, Any], prefix: str = "layout") -> Layout:
     kind = data.get("kind")
     fields = {"bshd": {"kind", "batch", "seq_len"},
               "thd": {"kind", "cu_seqlens", "cu_seqlens_padded", "total_tokens", "compressed_capacity"}}
-    if kind not in fields:
+    if not isinstance(kind, str) or kind not in fields:
         raise CaseError(f"{prefix}.kind", f"must be 'bshd' or 'thd', got {kind!r}")
     unknown = sorted(set(data) - fields[kind])
     if unknown:

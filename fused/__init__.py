@@ -1,1 +1,31 @@
-"""dsv4-parity: fused."""
+"""dsv4-parity: the fused implementation — the composition Megatron-LM's fused DSv4 path performs around the
+cuDNN DSA and FlashMLA kernels, with pluggable kernel providers.
+
+Public API (identical names and signatures in ``reference``; ARCHITECTURE.md)::
+
+    attention_layer(hidden, params, config, packed_seq_params=None, *, training=True, topk_indices=None)
+    core_attention(query, kv, hidden, q_latent, params, config, packed_seq_params=None, *, training=True,
+                   topk_indices=None)
+    compressor(hidden, params, prefix, config, packed_seq_params=None, *, rotate=False)
+    indexer(hidden, q_latent, params, config, packed_seq_params=None)
+
+Kernel providers are chosen with a context manager, never with extra arguments::
+
+    with fused.use_backend(provider="torch") as plan:      # "auto" (default), "torch", "cudnn", {stage: name}
+        out = fused.core_attention(...)
+    plan.record                                            # {stage: provider that ran it}
+
+Modules: ``kernels`` (interface, contracts, torch provider), ``plan`` (selection), ``ops`` / ``compressor`` /
+``indexer`` / ``layer`` (eager parts), ``index_maps`` and ``thd`` (index and layout plumbing), ``sparse_attention``
+(Paths A/C), ``indexer_loss`` (Path B), ``core_attention`` (dispatch), ``mutants`` (planted-bug switches).
+"""
+
+from . import mutants
+from .core_attention import compressor, core_attention
+from .indexer import indexer
+from .layer import attention_layer
+from .plan import (BackendError, BackendUnavailable, Plan, StageUnsupported, available_providers, current_plan,
+                   register_provider, use_backend)
+
+__all__ = ["BackendError", "BackendUnavailable", "Plan", "StageUnsupported", "attention_layer", "available_providers",
+           "compressor", "core_attention", "current_plan", "indexer", "mutants", "register_provider", "use_backend"]

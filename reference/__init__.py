@@ -1,1 +1,21 @@
-"""dsv4-parity: reference."""
+"""dsv4-parity: the pure-PyTorch reference of DSv4 hybrid attention (spec §1-§6), written from the equations.
+
+Autograd supplies every gradient; no custom backward, no fused kernel. One module per concept:
+``rope``, ``norms``, ``hadamard``, ``compressor``, ``indexer``, ``sparse_attention``, ``indexer_loss``,
+``core_attention``, ``layer``, ``thd`` (packed layout), ``numerics`` (precision policy, row chunking), ``params``.
+
+Public API (identical names and signatures in ``fused``; see ARCHITECTURE.md)::
+
+    attention_layer(hidden, params, config, packed_seq_params=None, *, training=True, topk_indices=None)
+    core_attention(query, kv, hidden, q_latent, params, config, packed_seq_params=None, *, training=True,
+                   topk_indices=None)
+    compressor(hidden, params, prefix, config, packed_seq_params=None, *, rotate=False)
+    indexer(hidden, q_latent, params, config, packed_seq_params=None)
+"""
+
+from .compressor import compressor
+from .core_attention import core_attention
+from .indexer import indexer
+from .layer import attention_layer
+
+__all__ = ["attention_layer", "compressor", "core_attention", "indexer"]

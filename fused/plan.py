@@ -1,0 +1,207 @@
+"""Backend plan: which kernel provider runs each stage of the fused path, and a record of what actually ran.
+
+Usage::
+
+    with fused.use_backend(provider="auto", require=("cudnn",)) as plan:
+        out = fused.core_attention(...)
+    plan.record          # {"indexer_forward": "cudnn", "sparse_attn_fwd": "flashmla", ...}
+
+``provider`` is ``"auto"``, a provider name, or a mapping ``{stage: provider}`` (stages left out are ``"auto"``).
+
+* ``"auto"``: for each call, the first provider in :data:`PROVIDERS` order that is available, implements the stage
+  and whose ``check_support`` accepts the arguments; ``torch`` (last) accepts everything.
+* a name: that provider runs every stage it implements; if it declines a call (kernel shape support) the call
+  raises :class:`StageUnsupported` — a requested backend never degrades silently. Stages it has no kernel for run
+  as under ``"auto"`` (and the record says so).
+* ``require``: each named provider must be available when the block is entered (else :class:`BackendUnavailable`)
+  and must run every stage it implements (a decline raises :class:`StageUnsupported`).
+
+Providers are registered by dotted path (``"module:Class"``) so that GPU providers are imported only when asked for;
+:func:`register_provider` adds one without touching the composition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+from typing import Any, Iterator, Mapping, Optional, Union
+
+from .kernels.base import STAGES, KernelSet
+
+#: Provider registry, in "auto" priority order: name -> "module:Class" (or a KernelSet subclass).
+PROVIDERS: dict[str, Union[str, type]] = {
+    "flashmla": "fused.kernels.flashmla_provider:FlashMLAKernels",
+    "cudnn": "fused.kernels.cudnn_provider:CudnnKernels",
+    "torch": "fused.kernels.torch_provider:TorchKernels",
+}
+
+_INSTANCES: dict[str, KernelSet] = {}
+_UNAVAILABLE: dict[str, str] = {}
+
+
+class BackendError(RuntimeError):
+    """Base class of plan errors."""
+
+
+class BackendUnavailable(BackendError):
+    """A requested provider cannot be loaded or cannot run on this machine."""
+
+
+class StageUnsupported(BackendError):
+    """A requested provider declined a call (kernel shape support). ``stage``, ``provider``, ``reason``."""
+
+    def __init__(self, stage: str, provider: str, reason: str):
+        self.stage, self.provider, self.reason = stage, provider, reason
+        super().__init__(f"{provider} does not support this {stage} call: {reason}")
+
+
+def register_provider(name: str, target: Union[str, type], *, before: Optional[str] = "torch") -> None:
+    """Add (or replace) provider ``name``; in "auto" order it goes just before ``before`` (``None``: last)."""
+    global PROVIDERS
+    items = [(k, v) for k, v in PROVIDERS.items() if k != name]
+    at = next((i for i, (k, _) in enumerate(items) if k == before), len(items))
+    items.insert(at, (name, target))
+    PROVIDERS = dict(items)
+    _INSTANCES.pop(name, None)
+    _UNAVAILABLE.pop(name, None)
+
+
+def load_provider(name: str) -> tuple[Optional[KernelSet], Optional[str]]:
+    """``(instance, None)`` or ``(None, reason it is unavailable)``."""
+    if name in _INSTANCES:
+        return _INSTANCES[name], None
+    if name in _UNAVAILABLE:
+        return None, _UNAVAILABLE[name]
+    if name not in PROVIDERS:
+        return None, f"unknown provider {name!r} (registered: {', '.join(PROVIDERS)})"
+    target = PROVIDERS[name]
+    try:
+        if isinstance(target, str):
+            module, _, cls_name = target.partition(":")
+            target = getattr(importlib.import_module(module), cls_name)
+        reason = target.unavailable_reason()
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available here"
+        reason = f"cannot import {PROVIDERS[name]}: {type(exc).__name__}: {exc}"
+    if reason is not None:
+        _UNAVAILABLE[name] = reason
+        return None, reason
+    _INSTANCES[name] = target()
+    return _INSTANCES[name], None
+
+
+def available_providers() -> dict[str, Optional[str]]:
+    """name -> None if available, else the reason it is not."""
+    return {name: load_provider(name)[1] for name in PROVIDERS}
+
+
+class Plan:
+    """One backend selection and the record of which provider ran each stage under it."""
+
+    def __init__(self, provider: Union[str, Mapping[str, str]] = "auto", require: tuple = ()):
+        if isinstance(provider, str):
+            if provider != "auto" and provider not in PROVIDERS:
+                raise BackendUnavailable(f"unknown provider {provider!r} (registered: auto, {', '.join(PROVIDERS)})")
+        else:
+            unknown = sorted(set(provider) - set(STAGES))
+            if unknown:
+                raise ValueError(f"unknown stage(s) {unknown} (stages: {', '.join(STAGES)})")
+        self.provider = provider if isinstance(provider, str) else dict(provider)
+        self.require = tuple(require)
+        self.record: dict[str, str] = {}
+
+    def check_required(self) -> None:
+        for name in self.require:
+            _, reason = load_provider(name)
+            if reason is not None:
+                raise BackendUnavailable(f"required provider {name!r} is unavailable: {reason}")
+
+    def _choice(self, stage: str) -> str:
+        return self.provider if isinstance(self.provider, str) else self.provider.get(stage, "auto")
+
+    def _auto(self) -> list[KernelSet]:
+        return [inst for inst in (load_provider(n)[0] for n in PROVIDERS) if inst is not None]
+
+    def select(self, stage: str, args: tuple = (), kwargs: Optional[dict] = None) -> KernelSet:
+        """The provider that runs this call of ``stage`` (recorded)."""
+        kwargs = kwargs or {}
+        forced = [n for n in self.require if stage in load_provider(n)[0].stages] if self.require else []
+        choice = self._choice(stage)
+        if not forced and choice != "auto":
+            inst, reason = load_provider(choice)
+            if inst is None:
+                raise BackendUnavailable(f"provider {choice!r} is unavailable: {reason}")
+            if stage in inst.stages:
+                forced = [choice]
+        if forced:
+            inst = load_provider(forced[0])[0]
+            reason = inst.check_support(stage, *args, **kwargs)
+            if reason is not None:
+                raise StageUnsupported(stage, inst.name, reason)
+            return self._note(stage, inst)
+        declined = []
+        for inst in self._auto():
+            if stage not in inst.stages:
+                continue
+            reason = inst.check_support(stage, *args, **kwargs)
+            if reason is None:
+                return self._note(stage, inst)
+            declined.append(f"{inst.name}: {reason}")
+        raise StageUnsupported(stage, "auto", "; ".join(declined) or "no provider implements it")
+
+    def _note(self, stage: str, inst: KernelSet) -> KernelSet:
+        ran = self.record.get(stage)
+        if ran is None:
+            self.record[stage] = inst.name
+        elif inst.name not in ran.split("+"):
+            self.record[stage] = f"{ran}+{inst.name}"
+        return inst
+
+    def topk_alignment(self) -> int:
+        """Index width the sparse-attention forward callers pad to: the strictest of the candidate providers."""
+        candidates = [load_provider(n)[0] for n in self.require] + self._auto()
+        return max((c.topk_alignment for c in candidates if c is not None and "sparse_attn_fwd" in c.stages),
+                   default=128)
+
+
+_DEFAULT_PLAN = Plan("auto")
+_CURRENT: contextvars.ContextVar[Optional[Plan]] = contextvars.ContextVar("fused_plan", default=None)
+#: Plans of the open ``use_backend`` blocks, process-wide: autograd runs CUDA backward passes on its own device
+#: threads, which do not inherit the caller's context variables; they see the innermost open block through this.
+_ACTIVE: list[Plan] = []
+
+
+def current_plan() -> Plan:
+    return _CURRENT.get() or (_ACTIVE[-1] if _ACTIVE else _DEFAULT_PLAN)
+
+
+@contextlib.contextmanager
+def use_backend(provider: Union[str, Mapping[str, str]] = "auto", require: tuple = ()) -> Iterator[Plan]:
+    """Run the fused path under a new :class:`Plan` (see the module docstring); yields the plan."""
+    plan = Plan(provider, tuple(require))
+    plan.check_required()
+    token = _CURRENT.set(plan)
+    _ACTIVE.append(plan)
+    try:
+        yield plan
+    finally:
+        _ACTIVE.remove(plan)
+        _CURRENT.reset(token)
+
+
+class _Kernels:
+    """``kernels.<stage>(...)``: the composition's single entry point to a kernel, routed through the plan."""
+
+    def __getattr__(self, stage: str) -> Any:
+        if stage not in STAGES:
+            raise AttributeError(f"no kernel stage {stage!r}")
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            provider = current_plan().select(stage, args, kwargs)
+            return getattr(provider, stage)(*args, **kwargs)
+
+        call.__name__ = stage
+        return call
+
+
+kernels = _Kernels()

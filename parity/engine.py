@@ -1,0 +1,175 @@
+"""Run one case: the implementation, the float64 truth and the same-dtype noise run; diff; decide.
+
+For a case of dtype ``d`` (all runs on the same device, from the same materialised tensors):
+
+1. ``impl``  — the implementation under test in ``d`` (inside its provider context);
+2. ``truth`` — the reference in float64 on the ``d``-rounded inputs upcast, **with the implementation's top-k**
+   ("split" mode, so a near-tie flip can neither fake nor hide a numeric difference downstream);
+3. ``noise`` — the reference in ``d`` with the same top-k: its distance to ``truth`` is the noise floor. For a
+   float64 case it *is* ``truth`` (the floor is then the policy's few ULPs).
+
+The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`).
+
+Outcomes: ``pass`` / ``fail`` (numeric or structural), ``error`` (an exception, e.g. a CUDA fault, or a crashed
+worker), ``unsupported`` (the implementation declined the case: ``NotImplementedError`` or an ``*Unsupported*``
+exception, or the case needs a GPU this machine lacks).
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from cases.case import Case
+from cases.tensors import materialize
+
+from . import policy as policy_mod
+from . import structure, verdict
+from .impls import Implementation, is_unsupported, policy_provider
+from .results import CaseResult
+from .snapshot import Snapshot, run
+
+
+@dataclass
+class RunOptions:
+    """What to compare and where; shared by every case of a run."""
+
+    impl: str = "fused"
+    against: str = "reference"
+    provider: str = "auto"      # as given on the command line
+    device: str = "auto"        # auto / cpu / cuda
+    require: Optional[str] = None
+    policy_path: Optional[str] = None
+
+    def torch_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def repro(self, case: Case) -> str:
+        """One command re-running exactly this case with these options."""
+        parts = [f"dsv4-parity run --case {shlex.quote(case.to_json())}"]
+        if self.impl != "fused":
+            parts.append(f"--impl {shlex.quote(self.impl)}")
+        if self.against != "reference":
+            parts.append(f"--against {shlex.quote(self.against)}")
+        if self.provider != "auto":
+            parts.append(f"--provider {self.provider}")
+        if self.require:
+            parts.append(f"--require {self.require}")
+        if self.device != "auto":
+            parts.append(f"--device {self.device}")
+        return " ".join(parts)
+
+
+def configure_torch() -> None:
+    """Deterministic algorithms (the determinism oracle and reruns rely on them; ops without a deterministic
+    kernel only warn) and cuBLAS's deterministic workspace. Called by the CLI and the worker, before CUDA starts."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _features(case: Case) -> dict:
+    try:
+        from cases.coverage import features
+    except ImportError:  # the coverage module is optional for the engine
+        return {}
+    return features(case)
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame outside torch / site-packages (``dir/file.py:line``), to make an error actionable."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if "/site-packages/" not in frame.filename and "/torch/" not in frame.filename:
+            return "/".join(frame.filename.split("/")[-2:]) + f":{frame.lineno}"
+    return ""
+
+
+def run_case(case: Case, impl: Implementation, against: Implementation, options: RunOptions,
+             policy: Optional[policy_mod.Policy] = None) -> CaseResult:
+    """Compare ``impl`` with ``against`` on ``case``; never raises for a problem of the case or the implementations."""
+    policy = policy or (policy_mod.load(options.policy_path) if options.policy_path else policy_mod.default())
+    start = time.perf_counter()
+    provider = impl.resolve_provider(options.provider)
+    result = CaseResult(case=case, outcome="error", decided_by="error", repro=options.repro(case),
+                        features=_features(case))
+
+    def finish(outcome: str, decided_by: str, message: str) -> CaseResult:
+        result.outcome, result.decided_by, result.message = outcome, decided_by, message
+        if outcome in ("error", "unsupported"):
+            result.first_failure = {"tensor": None, "rule": decided_by, "message": message} \
+                if outcome == "error" else None
+        result.duration_s = time.perf_counter() - start
+        return result
+
+    device = options.torch_device()
+    if case.device == "cuda" and device != "cuda":
+        return finish("unsupported", "device", "the case needs a CUDA device (kernel-profile shapes)")
+    stage = "materialize"
+    try:
+        tensors = materialize(case, device)
+        stage = f"{impl.name} run"
+        impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
+        result.plan = impl_snap.record or {}
+        stage = f"{against.name} runs"
+        truth, noise = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+    except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
+        if is_unsupported(exc) and not stage.startswith(against.name):
+            return finish("unsupported", "unsupported", one_line(exc))
+        where = _where(exc)
+        return finish("error", "error", f"{stage}: {one_line(exc)}" + (f" [{where}]" if where else ""))
+
+    try:
+        problems = structure.check(case, tensors, impl_snap, noise, truth)
+        case_problems = problems.pop("*", [])
+        tensors_out, report = verdict.judge_case_tensors(case, tensors, impl_snap, truth, noise, problems, policy,
+                                                         policy_provider(impl_snap.record, provider))
+        outcome, decided_by, first, message = verdict.case_decision(tensors_out, case_problems)
+    except Exception as exc:  # noqa: BLE001 — a comparison crash is the harness's error, reported as such
+        return finish("error", "error", f"comparison: {one_line(exc)} [{_where(exc)}]")
+    result.tensors, result.first_failure = tensors_out, first
+    result.topk = report.summary() if report is not None else None
+    ran = {p for value in result.plan.values() for p in str(value).split("+")}
+    if options.require and outcome == "pass" and options.require not in ran:
+        outcome, decided_by = "fail", "require"
+        message = f"required provider {options.require!r} did not run (plan: {result.plan or 'none'})"
+        result.first_failure = {"tensor": None, "rule": "require", "message": message}
+    return finish(outcome, decided_by, message)
+
+
+def reference_runs(case: Case, against: Implementation, tensors, split: Optional[torch.Tensor]) -> tuple:
+    """``(truth, noise)`` in split mode; a selection the reference cannot even consume (malformed ids, which the
+    structure rule reports) falls back to the reference's own selection so the other tensors are still compared."""
+    try:
+        truth = run(against.api, case, tensors, upcast=True, topk_indices=split)
+    except Exception:  # noqa: BLE001
+        if split is None:
+            raise
+        split = None
+        truth = run(against.api, case, tensors, upcast=True)
+    noise = truth if case.dtype == "float64" else run(against.api, case, tensors, topk_indices=split)
+    return truth, noise
+
+
+def snapshots(case: Case, impl: Implementation, against: Implementation, options: RunOptions) -> tuple:
+    """``(tensors, impl, truth, noise)`` snapshots of a case, for tests and interactive digging (raises)."""
+    provider = impl.resolve_provider(options.provider)
+    tensors = materialize(case, options.torch_device())
+    impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
+    truth, noise = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+    return tensors, impl_snap, truth, noise
+
+
+__all__ = ["RunOptions", "Snapshot", "run_case", "snapshots"]

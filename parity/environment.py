@@ -1,0 +1,68 @@
+"""The machine and library versions a run used (the ``env`` field of the results ``run`` row).
+
+Keys: ``python torch cuda cudnn cudnn_frontend flash_mla gpu driver git_rev host``; a value is ``None`` when not
+available. Package versions come from the installed distributions' metadata, so nothing heavy is imported.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _dist_version(*names: str) -> Optional[str]:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def git_rev(repo: Path = REPO) -> Optional[str]:
+    """``HEAD`` commit, with ``-dirty`` when tracked files differ from it."""
+    rev = _run(["git", "rev-parse", "--short=12", "HEAD"], repo)
+    if rev is None:
+        return None
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo)
+    return rev + ("-dirty" if dirty else "")
+
+
+def environment(device: str = "cpu") -> dict:
+    cuda = torch.cuda.is_available()
+    gpu = driver = None
+    if cuda:
+        gpu = torch.cuda.get_device_name(0)
+        major, minor = torch.cuda.get_device_capability(0)
+        gpu = f"{gpu} (sm{major}{minor})"
+        driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        driver = driver.splitlines()[0] if driver else None
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn,
+        "cudnn_frontend": _dist_version("nvidia-cudnn-frontend", "cudnn-frontend", "cudnn"),
+        "flash_mla": _dist_version("sgl-flash-mla", "flash-mla", "flash_mla"),
+        "gpu": gpu,
+        "driver": driver,
+        "git_rev": git_rev(),
+        "host": platform.node(),
+        "device": device,
+    }

@@ -1,0 +1,52 @@
+"""JUnit XML for CI, written from ``results.jsonl`` (one ``testcase`` per case).
+
+``fail`` → ``<failure>``, ``error`` → ``<error>``, ``unsupported`` → ``<skipped>``; the message is the first
+failure and the body holds the repro command, so a CI page shows how to re-run exactly that case.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def _label(case: dict) -> str:
+    config, layout = case.get("config", {}), case.get("layout", {})
+    return (f"{layout.get('kind', '?')}.r{config.get('compress_ratio', '?')}.{case.get('scope', '?')}."
+            f"{case.get('dtype', '?')}")
+
+
+def write_junit(results: Path, target: Path) -> Path:
+    rows = []
+    run = {}
+    for line in Path(results).read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("type") == "case":
+            rows.append(row)
+        elif row.get("type") == "run" and not run:
+            run = row
+    counts = {o: sum(r["outcome"] == o for r in rows) for o in ("pass", "fail", "error", "unsupported")}
+    suite = ET.Element("testsuite", name=f"dsv4-parity.{run.get('suite', 'run')}", tests=str(len(rows)),
+                       failures=str(counts["fail"]), errors=str(counts["error"]), skipped=str(counts["unsupported"]),
+                       time=f"{sum(float(r.get('duration_s') or 0) for r in rows):.3f}")
+    props = ET.SubElement(suite, "properties")
+    for key in ("run_id", "impl", "against", "provider"):
+        ET.SubElement(props, "property", name=key, value=str(run.get(key, "")))
+    for row in rows:
+        tc = ET.SubElement(suite, "testcase", classname=f"dsv4_parity.{_label(row.get('case', {}))}",
+                           name=row["case_id"], time=f"{float(row.get('duration_s') or 0):.3f}")
+        body = f"{row.get('message', '')}\nrepro: {row.get('repro', '')}"
+        if row["outcome"] == "fail":
+            ET.SubElement(tc, "failure", message=row.get("message", ""), type=row.get("decided_by", "")).text = body
+        elif row["outcome"] == "error":
+            ET.SubElement(tc, "error", message=row.get("message", ""), type="error").text = body
+        elif row["outcome"] == "unsupported":
+            ET.SubElement(tc, "skipped", message=row.get("message", ""))
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(suite).write(target, encoding="utf-8", xml_declaration=True)
+    return target

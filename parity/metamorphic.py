@@ -1,0 +1,354 @@
+"""Metamorphic oracles: properties one implementation must satisfy on its own (no second implementation needed).
+
+=====================  ====================================================================================  =====
+oracle                 property                                                                              rule
+=====================  ====================================================================================  =====
+``thd-pack``           a THD pack equals its real segments run one by one as BSHD ``B=1`` (out, lse, top-k,  ulp
+                       scores, input gradients row by row; parameter gradients and the loss summed, the
+                       per-segment loss coefficient scaled by ``L_b / ΣL`` for the mean reduction)
+``padding-poison``     scaling every padding / slack row of the inputs by 1e3 changes nothing on real rows   exact
+                       (forward, loss, every gradient), and padding-row input gradients stay exactly 0
+``unpadded``           the poisoned padded pack equals the same segments packed without padding or slack     ulp
+``capacity``           a compressed-row capacity (``total_comp_capacity``) equals the exact count            ulp
+``identical-segments`` segments whose leading rows are equal give equal rows (causality: equal prefixes →     ulp
+                       equal forward rows; fully equal segments → equal input gradients too)
+``determinism``        two runs on the same tensors are bit-identical, padding rows included                 exact
+=====================  ====================================================================================  =====
+
+Rule ``exact``: every compared element bit-identical (``n_diff == 0``). Rule ``ulp``: ``max|a - b|`` at most
+``ulps · eps(dtype) · max|b|`` (policy ``metamorphic.<dtype>.ulps``) — the two runs differ only in buffer shapes
+and packing, so only reduction-order noise is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from cases.case import Case
+from cases.layout import BshdLayout, ThdLayout
+from cases.tensors import CaseTensors, materialize
+
+from . import metrics as M
+from . import policy as policy_mod
+from .engine import RunOptions, _features, _where, one_line
+from .impls import Implementation, is_unsupported
+from .results import CaseResult
+from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, run, tensor_class
+from .verdict import MetricRow, TensorResult
+
+POISON = 1e3
+
+
+@dataclass(frozen=True)
+class Oracle:
+    name: str
+    summary: str
+    applies: Callable[[Case], bool]
+    check: Callable  # (case, impl, runner, ulps) -> list[TensorResult]
+
+
+# ---- comparing two runs -----------------------------------------------------------------------------------------------
+def compare(name: str, case: Case, a: Optional[torch.Tensor], b: Optional[torch.Tensor], mode: str,
+            ulps: float) -> TensorResult:
+    """``a`` (variant) against ``b`` (base), restricted by the caller; ``mode`` is ``exact`` or ``ulp``."""
+    cls = tensor_class(name.split(":")[-1], case)
+    shown = b if b is not None else a
+    base = dict(name=name, tensor_class=cls, dtype="none" if shown is None else str(shown.dtype).removeprefix("torch."),
+                shape=[] if shown is None else list(shown.shape))
+    if (a is None) != (b is None):
+        return TensorResult(**base, verdict="fail", rule="structure",
+                            message=f"{name}: present in only one of the two runs")
+    if a is None:
+        return TensorResult(**base, verdict="pass", rule=mode)
+    if tuple(a.shape) != tuple(b.shape):
+        return TensorResult(**base, verdict="fail", rule="structure",
+                            message=f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if not a.is_floating_point():
+        diff = int((a != b).sum())
+        rows = [MetricRow("n_diff", float(diff), 0.0, diff == 0)]
+        ok = diff == 0
+        return TensorResult(**base, verdict="pass" if ok else "fail", rule="exact" if mode == "exact" else mode,
+                            message="" if ok else f"{name}: {diff} entries differ", metrics=rows)
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    n_diff = int((~same).sum())
+    fa, fb = M.as_f64(a), M.as_f64(b)
+    finite = torch.isfinite(fa) & torch.isfinite(fb)
+    pattern = int((torch.isfinite(fa) != torch.isfinite(fb)).sum())
+    err = M.max_abs(fa[finite], fb[finite]) if finite.any() else 0.0
+    scale = float(fb[finite].abs().max()) if finite.any() else 0.0
+    unit = M.eps(a.dtype) * scale
+    in_ulps = err / unit if unit > 0 else (0.0 if err == 0 else float("inf"))
+    rows = [MetricRow("n_diff", float(n_diff), 0.0 if mode == "exact" else None,
+                      (n_diff == 0) if mode == "exact" else None),
+            MetricRow("max_abs", err), MetricRow("rel_l2", M.rel_l2(fa[finite], fb[finite])),
+            MetricRow("nonfinite_mismatch", float(pattern), 0.0, pattern == 0)]
+    if mode == "exact":
+        ok = n_diff == 0
+        msg = "" if ok else f"{name}: {n_diff} elements differ (max_abs {err:.3g}); expected bit-identical"
+    else:
+        rows.append(MetricRow("ulps", in_ulps, ulps, in_ulps <= ulps))
+        ok = in_ulps <= ulps and pattern == 0
+        msg = "" if ok else (f"{name}: max_abs {err:.3g} = {in_ulps:.3g} ulps of max|ref| > {ulps:g}" if pattern == 0
+                             else f"{name}: finite pattern differs on {pattern} elements")
+    return TensorResult(**base, verdict="pass" if ok else "fail", rule=mode, message=msg, metrics=rows)
+
+
+def _rows(x: Optional[torch.Tensor], index: torch.Tensor) -> Optional[torch.Tensor]:
+    """Rows ``index`` of a THD row tensor ``[T, ...]``."""
+    return None if x is None else x[index.to(x.device)]
+
+
+# ---- helpers on tensors -----------------------------------------------------------------------------------------------
+def _segments(case: Case) -> list[tuple[int, int]]:
+    """``(physical start, real length)`` of each THD segment with real tokens."""
+    lay = case.layout
+    return [(lay.cu_seqlens_padded[b], lay.real_lengths[b]) for b in range(lay.num_segments) if lay.real_lengths[b]]
+
+
+def _real_index(case: Case) -> torch.Tensor:
+    return torch.cat([torch.arange(s, s + L) for s, L in _segments(case)]) if _segments(case) else \
+        torch.zeros(0, dtype=torch.int64)
+
+
+def _tensors_like(base: CaseTensors, inputs: dict, grad_output: torch.Tensor, psp, real_rows: torch.Tensor,
+                  kinds: list) -> CaseTensors:
+    return CaseTensors(params=base.params, inputs=inputs, grad_output=grad_output, packed_seq_params=psp,
+                       real_rows=real_rows, row_kinds=kinds)
+
+
+# ---- the oracles --------------------------------------------------------------------------------------------------------
+def _thd_pack(case: Case, runner, ulps: float) -> list:
+    device = runner.device
+    T = materialize(case, device)
+    packed = runner(case, T)
+    segs = _segments(case)
+    total_real = sum(L for _, L in segs)
+    out, summed = [], {}
+    loss_sum = None
+    cfg = case.config
+    for b, (start, L) in enumerate(segs):
+        weight = 1.0 if case.loss_reduction == "per_token" else L / total_real
+        sub = case.replace(layout=BshdLayout(1, L),
+                           config=cfg.replace(dsa_indexer_loss_coeff=cfg.dsa_indexer_loss_coeff * weight))
+        rows = slice(start, start + L)
+        inputs = {n: t.detach()[rows].unsqueeze(0) for n, t in T.inputs.items()}
+        ST = _tensors_like(T, inputs, T.grad_output[rows].unsqueeze(0), None,
+                           torch.ones(1, L, dtype=torch.bool, device=device), [])
+        seg = runner(sub, ST)
+        for name in seg.names:
+            a, p = seg[name], packed[name]
+            if name.startswith("grad/") and name[5:] not in INPUT_ORDER or name == "indexer_loss":
+                if a is not None:
+                    summed[name] = a.double() if name not in summed else summed[name] + a.double()
+                elif name not in summed:
+                    summed[name] = None
+                continue
+            if a is None or p is None:
+                out.append(compare(f"seg{b}:{name}", case, None if a is None else a.squeeze(0),
+                                   None if p is None else p[rows], "ulp", ulps))
+                continue
+            a = a.squeeze(0)
+            p = p[rows]
+            if name == "index_scores":  # packed width max_seqlen//4 ≥ the segment's L//4
+                width = a.shape[-1]
+                tail = p[:, width:]
+                if tail.numel() and torch.isfinite(tail).any():
+                    out.append(TensorResult(f"seg{b}:{name}", "index_scores", str(p.dtype).removeprefix("torch."),
+                                            list(p.shape), "fail", "structure",
+                                            f"seg{b}:{name}: finite scores past the segment's compressed length"))
+                    continue
+                p = p[:, :width]
+            out.append(compare(f"seg{b}:{name}", case, a, p, "ulp", ulps))
+    for name, total in summed.items():
+        p = packed[name]
+        out.append(compare(f"sum:{name}", case, None if total is None else total.to(p.dtype if p is not None
+                                                                                      else total.dtype), p, "ulp",
+                           ulps))
+    return out
+
+
+def _padding_poison(case: Case, runner, ulps: float) -> list:
+    clean_T = materialize(case, runner.device)
+    poison_T = materialize(case, runner.device, padding_scale=POISON)
+    clean, poison = runner(case, clean_T), runner(case, poison_T)
+    mask = clean_T.real_rows.reshape(-1).cpu()
+    out = []
+    for name in clean.names:
+        a, b = poison[name], clean[name]
+        if is_row_tensor(name):
+            if name.startswith("grad/"):
+                out.append(compare(name, case, a, b, "exact", ulps))  # padding-row gradients are 0 in both
+                if a is not None and (a.reshape(mask.numel(), -1)[~mask.to(a.device)] != 0).any():
+                    out[-1] = TensorResult(name, "grad_input", out[-1].dtype, out[-1].shape, "fail", "structure",
+                                           f"{name}: non-zero gradient on poisoned padding rows")
+                continue
+            idx = mask.nonzero().squeeze(1)
+            a, b = _rows(a, idx), _rows(b, idx)
+        out.append(compare(name, case, a, b, "exact", ulps))
+    return out
+
+
+def _unpadded(case: Case, runner, ulps: float) -> list:
+    lay = case.layout
+    real = _real_index(case)
+    flat = ThdLayout(cu_seqlens=lay.cu_seqlens, cu_seqlens_padded=lay.cu_seqlens, total_tokens=max(len(real), 1),
+                     compressed_capacity=None)
+    flat_case = case.replace(layout=flat)
+    poison_T = materialize(case, runner.device, padding_scale=POISON)
+    padded = runner(case, poison_T)
+    inputs = {n: t.detach()[real.to(t.device)] for n, t in poison_T.inputs.items()}
+    FT = _tensors_like(poison_T, inputs, poison_T.grad_output[real.to(poison_T.grad_output.device)],
+                       flat.packed_seq_params(case.config.compress_ratio, device=runner.device),
+                       torch.ones(len(real), dtype=torch.bool, device=runner.device), flat.row_kinds())
+    unpadded = runner(flat_case, FT)
+    out = []
+    for name in padded.names:
+        a, b = unpadded[name], padded[name]
+        if is_row_tensor(name) and b is not None:
+            b = _rows(b, real)
+            if name == "index_scores" and a is not None:  # widths: max padded vs max real length, // 4
+                width = min(a.shape[-1], b.shape[-1])
+                a, b = a[:, :width], b[:, :width]
+        out.append(compare(name, case, a, b, "ulp", ulps))
+    return out
+
+
+def _capacity(case: Case, runner, ulps: float) -> list:
+    lay = case.layout
+    true_rows = lay.cu_seqlens_compressed(case.config.compress_ratio)[-1]
+    other = true_rows if lay.compressed_capacity in (None,) or lay.compressed_capacity > true_rows else None
+    variant = case.replace(layout=dataclasses.replace(lay, compressed_capacity=other))
+    T = materialize(case, runner.device)
+    base = runner(case, T)
+    VT = dataclasses.replace(T, packed_seq_params=variant.layout.packed_seq_params(case.config.compress_ratio,
+                                                                                    device=runner.device))
+    var = runner(variant, VT)
+    idx = _real_index(case)
+    out = []
+    for name in base.names:
+        a, b = var[name], base[name]
+        if is_row_tensor(name):
+            a, b = _rows(a, idx), _rows(b, idx)
+        out.append(compare(name, case, a, b, "ulp", ulps))
+    return out
+
+
+def _identical_segments(case: Case, runner, ulps: float) -> list:
+    segs = _segments(case)
+    T = materialize(case, runner.device)
+    s0, L0 = segs[0]
+    inputs = {n: t.detach().clone() for n, t in T.inputs.items()}
+    d_out = T.grad_output.clone()
+    for s, L in segs[1:]:
+        m = min(L, L0)
+        for t in list(inputs.values()) + [d_out]:
+            t[s:s + m] = t[s0:s0 + m]
+    IT = dataclasses.replace(T, inputs=inputs, grad_output=d_out)
+    snap = runner(case, IT)
+    out = []
+    for b, (s, L) in enumerate(segs[1:], start=1):
+        m = min(L, L0)
+        first, other = torch.arange(s0, s0 + m), torch.arange(s, s + m)
+        for name in snap.names:
+            x = snap[name]
+            if x is None or not is_row_tensor(name):
+                continue
+            if name.startswith("grad/") and L != L0:
+                continue  # a row's gradient depends on later rows: equal only for fully equal segments
+            out.append(compare(f"seg{b}:{name}", case, _rows(x, other), _rows(x, first), "ulp", ulps))
+    return out
+
+
+def _determinism(case: Case, runner, ulps: float) -> list:
+    T = materialize(case, runner.device)
+    first, second = runner(case, T), runner(case, T)
+    return [compare(name, case, second[name], first[name], "exact", ulps) for name in first.names]
+
+
+def _thd(case: Case) -> bool:
+    return isinstance(case.layout, ThdLayout)
+
+
+def _has_padding(case: Case) -> bool:
+    return _thd(case) and case.layout.num_real_rows < case.layout.total_tokens
+
+
+def _multi(case: Case) -> bool:
+    return _thd(case) and len(_segments(case)) >= 2
+
+
+ORACLES = {
+    "thd-pack": Oracle("thd-pack", "THD pack = its real segments run one by one as BSHD B=1", _thd, _thd_pack),
+    "padding-poison": Oracle("padding-poison", "poisoned padding rows change nothing on real rows (bitwise)",
+                             _has_padding, _padding_poison),
+    "unpadded": Oracle("unpadded", "a padded pack (poisoned) equals the same segments packed without padding",
+                       _has_padding, _unpadded),
+    "capacity": Oracle("capacity", "a compressed-row capacity equals the exact count",
+                       lambda c: _thd(c) and c.config.compress_ratio > 1, _capacity),
+    "identical-segments": Oracle("identical-segments", "segments with equal leading rows give equal rows",
+                                 _multi, _identical_segments),
+    "determinism": Oracle("determinism", "two runs are bit-identical (padding rows included)", lambda c: True,
+                          _determinism),
+}
+
+
+def applicable(name: str, case: Case) -> bool:
+    return ORACLES[name].applies(case)
+
+
+class _Runner:
+    """Runs the implementation under test (its provider context) on given tensors."""
+
+    def __init__(self, impl: Implementation, provider: str, device: str, require: Optional[str] = None):
+        self.impl, self.provider, self.device, self.require = impl, provider, device, require
+        self.plan: dict = {}
+
+    def __call__(self, case: Case, tensors: CaseTensors) -> Snapshot:
+        snap = run(self.impl.api, case, tensors, context=self.impl.context(self.provider, self.require))
+        for stage, provider in (snap.record or {}).items():
+            self.plan.setdefault(stage, provider)
+        return snap
+
+
+def run_oracle(name: str, case: Case, impl: Implementation, options: RunOptions,
+               policy: Optional[policy_mod.Policy] = None) -> CaseResult:
+    """Check oracle ``name`` on ``case`` with ``impl``; never raises for a problem of the case or the impl."""
+    policy = policy or (policy_mod.load(options.policy_path) if options.policy_path else policy_mod.default())
+    oracle = ORACLES[name]
+    start = time.perf_counter()
+    provider = impl.resolve_provider(options.provider)
+    result = CaseResult(case=case, outcome="error", decided_by="error", features=_features(case),
+                        repro=options.repro(case) + f" --oracle {name}")
+    device = options.torch_device()
+
+    def finish(outcome, decided_by, message, first=None):
+        result.outcome, result.decided_by, result.message, result.first_failure = outcome, decided_by, message, first
+        result.duration_s = time.perf_counter() - start
+        return result
+
+    if case.device == "cuda" and device != "cuda":
+        return finish("unsupported", "device", "the case needs a CUDA device")
+    if not oracle.applies(case):
+        return finish("unsupported", "oracle", f"oracle {name} does not apply to this case")
+    runner = _Runner(impl, provider, device, options.require)
+    try:
+        tensors = oracle.check(case, runner, policy.metamorphic_ulps(case.dtype))
+    except Exception as exc:  # noqa: BLE001
+        if is_unsupported(exc):
+            return finish("unsupported", "unsupported", one_line(exc))
+        message = f"{name}: {one_line(exc)} [{_where(exc)}]"
+        return finish("error", "error", message, {"tensor": None, "rule": "error", "message": message})
+    result.tensors, result.plan = tensors, runner.plan
+    failed = [t for t in tensors if t.failed]
+    if failed:
+        worst = failed[0]
+        more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
+        return finish("fail", worst.rule, worst.message + more,
+                      {"tensor": worst.name, "rule": worst.rule, "message": worst.message})
+    return finish("pass", "exact" if all(t.rule == "exact" for t in tensors) else "ulp", "")

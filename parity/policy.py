@@ -1,0 +1,138 @@
+"""The tolerance policy: one JSON file (``parity/policy.json``) for every numeric threshold of the verdict.
+
+Layout::
+
+    {"scalar_numel": 64,                      # tensors this small use the per-element ULP floor (sink grad, loss)
+     "classes": {CLASS: {DTYPE: {PROVIDER: ENTRY}}},   # "*" is the fallback at the dtype and provider levels
+     "topk": {...}, "metamorphic": {...}}
+
+``CLASS`` is a tensor class (``out lse index_scores topk loss grad_input grad_param``), ``DTYPE`` the case dtype,
+``PROVIDER`` the fused kernel provider (``torch``, ``cudnn``, ...). An ``ENTRY`` holds the thresholds of the layered
+verdict (:mod:`parity.verdict`) and the measured worst case each was set from::
+
+    {"noise_floor_ratio": 3.0,   # rule 2: max|a - r| / (max|p - r| + ulps·eps·max|r|) <= this
+     "ulps": 2,                  # the ULP floor of rules 2 and 4, in units of the *case* dtype's epsilon
+     "scalar_ulps": 8,           # optional: the per-element ULP floor of tiny tensors (sink gradient, loss)
+     "cosine_eps": 1e-3,         # rule 3: 1 - cosine <= this
+     "tensor_sim_eps": 1e-3,     # rule 3: 1 - tensor_sim <= this
+     "rmse_ratio": 3.0,          # rule 4: rmse(a - r) / (rmse(p - r) + floor) <= this
+     "scale_ratio": 3.0,         # rule 4: |‖a‖/‖r‖ - 1| / (same of p + scale_floor · eps) <= this
+     "scale_floor": 0.25,        # optional (default 0.25): systematic bias tolerated for free, in eps
+     "measured": {"noise_floor_ratio": 1.2, ..., "from": "suite smoke, 48 cases, torch, 2024-06-01"}}
+
+``dsv4-parity calibrate`` refreshes the ``measured`` blocks from result files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+from cases.errors import CaseError
+
+POLICY_PATH = Path(__file__).with_name("policy.json")
+TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param")
+THRESHOLD_KEYS = ("noise_floor_ratio", "ulps", "cosine_eps", "tensor_sim_eps", "rmse_ratio", "scale_ratio")
+OPTIONAL_KEYS = {"scalar_ulps": None, "scale_floor": 0.25}  # None: same as ulps
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The thresholds for one (tensor class, dtype, provider)."""
+
+    noise_floor_ratio: float
+    ulps: float
+    cosine_eps: float
+    tensor_sim_eps: float
+    rmse_ratio: float
+    scale_ratio: float
+    scalar_ulps: float = 0.0
+    scale_floor: float = 0.25
+    measured: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""  # "class/dtype/provider" of the entry used
+
+
+@dataclass(frozen=True)
+class Policy:
+    data: Mapping[str, Any]
+    path: str = ""
+
+    @property
+    def scalar_numel(self) -> int:
+        return int(self.data.get("scalar_numel", 64))
+
+    def tolerance(self, tensor_class: str, dtype: str, provider: str = "*") -> Tolerance:
+        """The entry for ``tensor_class`` × ``dtype`` × ``provider``, falling back to ``"*"`` per level."""
+        classes = self.data["classes"]
+        if tensor_class not in classes:
+            raise KeyError(f"policy has no tensor class {tensor_class!r}")
+        by_dtype = classes[tensor_class]
+        dkey = dtype if dtype in by_dtype else "*"
+        if dkey not in by_dtype:
+            raise KeyError(f"policy has no entry for {tensor_class}/{dtype}")
+        by_provider = by_dtype[dkey]
+        pkey = provider if provider in by_provider else "*"
+        entry = by_provider[pkey]
+        values = {k: float(entry[k]) for k in THRESHOLD_KEYS}
+        values["scalar_ulps"] = float(entry.get("scalar_ulps", values["ulps"]))
+        values["scale_floor"] = float(entry.get("scale_floor", OPTIONAL_KEYS["scale_floor"]))
+        return Tolerance(**values, measured=entry.get("measured", {}), source=f"{tensor_class}/{dkey}/{pkey}")
+
+    def section(self, name: str) -> Mapping[str, Any]:
+        return self.data.get(name, {})
+
+    def topk(self, dtype: str) -> Mapping[str, float]:
+        """Top-k protocol knobs: ``margin_factor`` (clear iff margin > factor · score noise) for ``dtype``."""
+        sec = self.section("topk")
+        return {**sec.get("*", {}), **sec.get(dtype, {})}
+
+    def metamorphic_ulps(self, dtype: str) -> float:
+        sec = self.section("metamorphic")
+        return float(sec.get(dtype, sec.get("*", {})).get("ulps", 64))
+
+
+def validate(data: Any, where: str = "policy") -> None:
+    """Raise :class:`CaseError` naming the first malformed field."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("classes"), Mapping):
+        raise CaseError(f"{where}.classes", "missing or not an object")
+    for cls, by_dtype in data["classes"].items():
+        if cls not in TENSOR_CLASSES:
+            raise CaseError(f"{where}.classes.{cls}", f"unknown tensor class (known: {', '.join(TENSOR_CLASSES)})")
+        for dtype, by_provider in by_dtype.items():
+            for provider, entry in by_provider.items():
+                at = f"{where}.classes.{cls}.{dtype}.{provider}"
+                for key in THRESHOLD_KEYS + tuple(OPTIONAL_KEYS):
+                    if key in OPTIONAL_KEYS and isinstance(entry, Mapping) and key not in entry:
+                        continue
+                    value = entry.get(key) if isinstance(entry, Mapping) else None
+                    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                        raise CaseError(f"{at}.{key}", f"must be a non-negative number, got {value!r}")
+                if not isinstance(entry.get("measured"), Mapping):
+                    raise CaseError(f"{at}.measured", "every entry records the measured worst case it was set from")
+    for cls in TENSOR_CLASSES:
+        if cls not in data["classes"]:
+            raise CaseError(f"{where}.classes.{cls}", "missing tensor class")
+
+
+def load(path: Union[str, Path, None] = None) -> Policy:
+    path = Path(path) if path else POLICY_PATH
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CaseError("policy", f"file {path} not found") from None
+    except json.JSONDecodeError as exc:
+        raise CaseError("policy", f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    validate(data)
+    return Policy(data, str(path))
+
+
+_DEFAULT: Optional[Policy] = None
+
+
+def default() -> Policy:
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = load()
+    return _DEFAULT

@@ -1,0 +1,250 @@
+"""A parity run: cases → isolated execution → ``results.jsonl`` streamed case by case → summary, JUnit, exit code.
+
+``execute(request)`` runs one case in the current process and returns its result rows; the worker child
+(:mod:`parity.worker`) calls the same function. :func:`run` drives a whole run:
+
+* writes the ``run`` row (options and :func:`parity.environment.environment`), then one block of rows per case as
+  it finishes, then the ``end`` row with the counts;
+* ``resume``: keeps the finished cases of an existing ``results.jsonl`` and runs only the others;
+* isolation ``none`` (in-process, the CPU default), ``worker`` (a child process replaced after any error or crash,
+  the GPU default) or ``case`` (a fresh child per case);
+* prints a progress bar (rich) and one line per case that did not pass, then
+  ``N cases: P passed, F failed, E errors, U unsupported``; returns 1 iff a case failed or errored.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from cases.case import Case
+
+from . import results as R
+from .engine import RunOptions, run_case
+
+DEFAULT_OUT_ROOT = Path("reports") / "out"
+
+
+@functools.lru_cache(maxsize=None)
+def _impl(name: str):
+    from .impls import load
+
+    return load(name)
+
+
+def execute(request: dict) -> list[dict]:
+    """Run one request ``{"case", "options", "oracle"}`` in this process; returns its result rows."""
+    case = Case.from_dict(request["case"])
+    options = RunOptions(**request["options"])
+    oracle = request.get("oracle")
+    try:
+        impl = _impl(options.impl)
+        if oracle:
+            from .metamorphic import run_oracle
+
+            result = run_oracle(oracle, case, impl, options)
+        else:
+            result = run_case(case, impl, _impl(options.against), options)
+    except Exception as exc:  # noqa: BLE001 — e.g. an implementation that cannot even be imported
+        from .engine import one_line
+
+        result = R.CaseResult(case=case, outcome="error", decided_by="error", message=one_line(exc),
+                              repro=options.repro(case),
+                              first_failure={"tensor": None, "rule": "error", "message": one_line(exc)})
+    return result.rows()
+
+
+def error_rows(case: Case, options: RunOptions, message: str) -> list[dict]:
+    return R.CaseResult(case=case, outcome="error", decided_by="error", message=message, repro=options.repro(case),
+                        first_failure={"tensor": None, "rule": "error", "message": message}).rows()
+
+
+# ---- output directory ---------------------------------------------------------------------------------------------------
+def new_run_id(suite: str, impl: str, oracle: Optional[str] = None) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = impl.replace(":", "-").replace("/", "-").split(".")[-1]
+    return f"{stamp}-{suite}-{name}" + (f"-{oracle}" if oracle else "")
+
+
+def resolve_out_dir(out: Optional[str], run_id: str, make_default: bool, resume: bool) -> tuple[Path, Optional[Path]]:
+    """``(directory to write, symlink to point at it or None)``.
+
+    * no ``--out``: ``reports/out/<run_id>``;
+    * ``--out`` is a symlink (``reports/out/latest``, the Makefile's default): it names "the current run" — a
+      fresh run goes to a new sibling ``<run_id>`` directory and the link moves there; ``--resume`` continues in
+      the directory it points at;
+    * otherwise ``--out`` is the directory itself.
+
+    ``--make-default`` also points ``reports/out/latest`` at the run (what ``make report`` reads).
+    """
+    latest = DEFAULT_OUT_ROOT / "latest"
+    if out is None:
+        return DEFAULT_OUT_ROOT / run_id, (latest if make_default else None)
+    path = Path(out)
+    names_latest = path.absolute() == latest.absolute()
+    if path.is_symlink():
+        return (path.resolve(), None) if resume else (path.parent / run_id, path)
+    if names_latest and not path.exists():
+        return path.parent / run_id, path
+    return path, (latest if make_default and not names_latest else None)
+
+
+def point_link(link: Path, target: Path) -> None:
+    """Atomically make ``link`` a relative symlink to ``target`` (replacing a previous link, never a directory)."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.exists() and not link.is_symlink():
+        print(f"note: {link} is a real directory; not replacing it with a link", file=sys.stderr)
+        return
+    tmp = link.with_name(link.name + ".tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(os.path.relpath(target.resolve(), link.parent.resolve()))
+    os.replace(tmp, link)
+
+
+# ---- the run loop ---------------------------------------------------------------------------------------------------------
+@dataclass
+class RunConfig:
+    suite: str
+    options: RunOptions
+    out_dir: Path
+    oracle: Optional[str] = None
+    resume: bool = False
+    isolate: str = "auto"  # auto / none / worker / case
+    timeout: float = 1800.0
+    junit: Optional[Path] = None
+    argv: Sequence[str] = ()
+    run_id: str = ""
+    quiet: bool = False
+
+
+class _Progress:
+    """A rich progress bar on a terminal; plain lines otherwise."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.quiet = quiet
+        self.bar = None
+        if not quiet and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.console = Console(stderr=True)
+            self.bar = Progress(TextColumn("[bold]parity"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                TextColumn("{task.description}"), console=self.console, transient=True)
+            self.task = self.bar.add_task("", total=total)
+            self.bar.start()
+
+    def starting(self, case: Case) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=case.id)
+
+    def done(self, row: dict) -> None:
+        line = None
+        if row["outcome"] != "pass":
+            line = f"{row['outcome'].upper():<11} {row['case_id']}  {row['message']}"
+        if self.bar is not None:
+            self.bar.advance(self.task)
+            if line:
+                style = {"fail": "red", "error": "magenta", "unsupported": "yellow"}.get(row["outcome"], "")
+                self.console.print(line, style=style, markup=False, highlight=False)
+        elif line and not self.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _isolation(config: RunConfig) -> str:
+    if config.isolate != "auto":
+        return config.isolate
+    return "worker" if config.options.torch_device() == "cuda" else "none"
+
+
+def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
+    """Run ``cases``; returns ``(counts, exit code)``."""
+    from .environment import environment
+
+    out_dir = config.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.jsonl"
+    existing = R.read_for_resume(path) if config.resume else R.Existing(None, {})
+    if not config.resume and path.exists():
+        path.unlink()
+    todo = [c for c in cases if c.id not in existing.outcomes]
+    outcomes = dict(existing.outcomes)
+    started = time.perf_counter()
+    writer = R.ResultsWriter(path)
+    if existing.run_row is None:
+        opts = config.options
+        writer.write([{"type": "run", "run_id": config.run_id, "suite": config.suite, "impl": opts.impl,
+                       "against": f"oracle:{config.oracle}" if config.oracle else opts.against,
+                       "provider": _impl(opts.impl).resolve_provider(opts.provider) if _safe_impl(opts.impl)
+                       else opts.provider,
+                       "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                       "argv": list(config.argv), "env": environment(opts.torch_device()),
+                       "options": asdict(opts)}])
+    if config.resume and existing.outcomes:
+        print(f"resuming: {len(existing.outcomes)} cases already done, {len(todo)} to run", file=sys.stderr)
+    mode = _isolation(config)
+    pool = None
+    if mode in ("worker", "case"):
+        from .worker import WorkerPool
+
+        pool = WorkerPool(timeout=config.timeout, fresh=(mode == "case"))
+    progress = _Progress(len(todo), config.quiet)
+    try:
+        for case in todo:
+            progress.starting(case)
+            request = {"case": case.to_dict(), "options": asdict(config.options), "oracle": config.oracle}
+            if pool is None:
+                rows = execute(request)
+            else:
+                rows, why = pool.submit(request)
+                if rows is None:
+                    rows = error_rows(case, config.options, why)
+            writer.write(rows)
+            outcomes[case.id] = rows[0]["outcome"]
+            progress.done(rows[0])
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.close()
+    counts = R.counts(outcomes.values())
+    writer.write([{"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}])
+    writer.close()
+    if config.junit:
+        from .junit import write_junit
+
+        write_junit(path, config.junit)
+    code = 1 if counts["fail"] or counts["error"] else 0
+    return counts, code
+
+
+def _safe_impl(name: str) -> bool:
+    try:
+        _impl(name)
+        return True
+    except Exception:  # noqa: BLE001 — reported per case
+        return False
+
+
+def select(cases: Iterable[Case], ids: Sequence[str]) -> list[Case]:
+    """Cases whose id equals or starts with one of ``ids`` (every id must match exactly one case)."""
+    from cases.errors import CaseError
+
+    cases = list(cases)
+    chosen = []
+    for wanted in ids:
+        hits = [c for c in cases if c.id == wanted] or [c for c in cases if c.id.startswith(wanted)]
+        if len(hits) != 1:
+            raise CaseError("case_id", f"{'no case has' if not hits else f'{len(hits)} cases match'} id {wanted!r}")
+        if hits[0] not in chosen:
+            chosen.append(hits[0])
+    return chosen

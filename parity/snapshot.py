@@ -1,0 +1,132 @@
+"""Run one implementation on one case's tensors and keep every compared tensor: a :class:`Snapshot`.
+
+Tensor names (the ``tensor`` field of the results rows), in report order::
+
+    out, lse, index_scores, topk_indices, indexer_loss,
+    grad/<input>   for each input (layer: hidden; core: query, kv, hidden, q_latent),
+    grad/<param>   for each parameter by its production name (cases.tensors.parameter_shapes order).
+
+A value is ``None`` when the implementation returned none (no indexer, no loss, an unused gradient). The gradients
+are those of ``AttentionOutput.objective(dO) = sum(out · dO) + indexer_loss``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Optional
+
+import torch
+
+from cases.case import Case
+from cases.outputs import AttentionOutput
+from cases.tensors import CaseTensors
+
+FORWARD_NAMES = ("out", "lse", "index_scores", "topk_indices", "indexer_loss")
+INPUT_ORDER = ("query", "kv", "hidden", "q_latent")
+
+
+def tensor_class(name: str, case: Case) -> str:
+    """The policy class of a tensor name: ``out lse index_scores topk loss grad_input grad_param``."""
+    if name == "topk_indices":
+        return "topk"
+    if name == "indexer_loss":
+        return "loss"
+    if name.startswith("grad/"):
+        return "grad_input" if name[5:] in INPUT_ORDER else "grad_param"
+    return name
+
+
+def is_row_tensor(name: str) -> bool:
+    """Tensors whose leading dims are the token rows (``[B, S]`` or ``[T]``)."""
+    return name in ("out", "lse", "index_scores", "topk_indices") or (
+        name.startswith("grad/") and name[5:] in INPUT_ORDER)
+
+
+@dataclass
+class Snapshot:
+    """The compared tensors of one run (detached, on the run's device) and what was observed about it."""
+
+    tensors: dict[str, Optional[torch.Tensor]]
+    mutated: list[str] = field(default_factory=list)  # inputs / metadata the implementation wrote to
+    record: Optional[dict] = None  # {stage: provider} that ran, when the context reports it
+
+    def __getitem__(self, name: str) -> Optional[torch.Tensor]:
+        return self.tensors.get(name)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+
+def _leaf(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    y = x.detach().clone() if dtype is None else x.detach().to(dtype).clone()
+    return y.requires_grad_(True)
+
+
+def _call(module, case: Case, inputs: dict, params: dict, psp, topk_indices) -> AttentionOutput:
+    kwargs = {"training": case.training, "topk_indices": topk_indices}
+    if case.scope == "layer":
+        return module.attention_layer(inputs["hidden"], params, case.config, psp, **kwargs)
+    return module.core_attention(inputs["query"], inputs["kv"], inputs["hidden"], inputs["q_latent"], params,
+                                 case.config, psp, **kwargs)
+
+
+def run(module, case: Case, tensors: CaseTensors, *, upcast: bool = False,
+        topk_indices: Optional[torch.Tensor] = None,
+        context: Callable[[], ContextManager] = contextlib.nullcontext) -> Snapshot:
+    """Run ``module.attention_layer`` / ``core_attention`` forward and backward on fresh leaves.
+
+    ``upcast``: run on the float64 upcast of the case tensors (the truth run: the case-dtype values, exactly);
+    else on copies in the case dtype (``attn_sink`` / ``ape`` stay fp32 in bf16 as materialised).
+    ``topk_indices``: split mode (the reference with the implementation's selection).
+    """
+    dtype = torch.float64 if upcast else None
+    inputs = {n: _leaf(t, dtype) for n, t in tensors.inputs.items()}
+    params = {n: _leaf(t, dtype) for n, t in tensors.params.items()}
+    d_out = tensors.grad_output.to(torch.float64) if upcast else tensors.grad_output.clone()
+    psp = tensors.packed_seq_params
+    if psp is not None:  # a private copy: an implementation that writes to it must not corrupt the next run
+        psp = dataclasses.replace(psp, cu_seqlens_q=psp.cu_seqlens_q.clone(),
+                                  cu_seqlens_q_padded=psp.cu_seqlens_q_padded.clone())
+    originals = {f"input {n}": t.detach().clone() for n, t in inputs.items()}
+    originals.update({f"param {n}": t.detach().clone() for n, t in params.items()})
+    if psp is not None:
+        originals["cu_seqlens_q"] = psp.cu_seqlens_q.clone()
+        originals["cu_seqlens_q_padded"] = psp.cu_seqlens_q_padded.clone()
+    leaves = [inputs[n] for n in INPUT_ORDER if n in inputs] + list(params.values())
+    names = [f"grad/{n}" for n in INPUT_ORDER if n in inputs] + [f"grad/{n}" for n in params]
+
+    with context() as handle:
+        result = _call(module, case, inputs, params, psp, topk_indices)
+        objective = result.objective(d_out)
+        grads = torch.autograd.grad(objective, leaves, allow_unused=True) if objective.requires_grad else \
+            [None] * len(leaves)
+    record = getattr(handle, "record", None)
+
+    current = {f"input {n}": t for n, t in inputs.items()}
+    current.update({f"param {n}": t for n, t in params.items()})
+    if psp is not None:
+        current["cu_seqlens_q"] = psp.cu_seqlens_q
+        current["cu_seqlens_q_padded"] = psp.cu_seqlens_q_padded
+    mutated = [k for k, v in originals.items() if not torch.equal(current[k].detach(), v)]
+
+    out: dict[str, Optional[torch.Tensor]] = {}
+    for name in FORWARD_NAMES:
+        value = getattr(result, name)
+        out[name] = None if value is None else value.detach()
+    for name, g in zip(names, grads):
+        out[name] = None if g is None else g.detach()
+    return Snapshot(out, mutated, dict(record) if record is not None else None)
+
+
+def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The real-token rows of a row tensor as ``[R_real, ...]`` (``mask``: bool ``[B, S]`` or ``[T]``)."""
+    flat = x.reshape((mask.numel(),) + tuple(x.shape[mask.dim():]))
+    return flat[mask.reshape(-1).to(flat.device)]
+
+
+def other_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The non-real rows (padding and slack) of a row tensor as ``[R_pad, ...]``."""
+    return real_rows(x, ~mask)

@@ -1,0 +1,149 @@
+"""Rule 1 of the verdict: exact structural checks of an implementation's run (no tolerance).
+
+* presence parity: a tensor (loss, top-k, a gradient) exists in both runs or in neither (a missing gradient equals
+  an all-zero one: autograd returns None for a leaf the graph does not reach);
+* identical metadata: shape and dtype equal to the same-dtype reference's; inputs, parameters and the THD
+  ``cu_seqlens`` tensors left unmodified;
+* finiteness: ``out`` / ``lse`` on real rows, every gradient, the loss; no NaN anywhere in the scores, and the
+  ``-inf`` pattern of ``index_scores`` on real rows equal to the reference's (causal validity);
+* padding conventions: input gradients exactly 0 on padding and slack rows; slack rows (past the last boundary)
+  give ``out == 0`` and ``lse == -inf``;
+* top-k conventions on real rows: width ``K``, int64, ids ascending then ``-1`` padding, exactly
+  ``min(K, #valid)`` real entries, each a causally valid column.
+
+:func:`check` returns ``{tensor name: [problem, ...]}``; the key ``"*"`` holds case-level problems.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from cases.case import Case
+from cases.tensors import CaseTensors
+
+from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, other_rows, real_rows
+
+
+def _fmt_dtype(x: torch.Tensor) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def topk_problems(idx: torch.Tensor, scores: torch.Tensor, k: int) -> list[str]:
+    """Convention problems of a selection ``idx [R, k]`` against reference scores ``[R, C]`` (``-inf`` invalid)."""
+    problems = []
+    if idx.dtype != torch.int64:
+        problems.append(f"dtype {_fmt_dtype(idx)}, expected int64")
+    if idx.dim() != 2 or idx.shape[1] != k:
+        return problems + [f"width {tuple(idx.shape)[1:]} != K={k}"]
+    R, C = scores.shape
+    idx = idx.to(torch.int64)
+    bad_range = (idx < -1) | (idx >= C)
+    if bad_range.any():
+        row = int(bad_range.any(1).nonzero()[0, 0])
+        return problems + [f"row {row}: ids {idx[row].tolist()} outside [-1, {C})"]
+    real = idx >= 0
+    # real entries form a prefix
+    not_prefix = (real[:, 1:] & ~real[:, :-1]).any(1)
+    if not_prefix.any():
+        row = int(not_prefix.nonzero()[0, 0])
+        problems.append(f"row {row}: -1 padding is not at the end: {idx[row].tolist()}")
+    ascending = ((idx[:, 1:] > idx[:, :-1]) | ~real[:, 1:]).all(1)
+    if not ascending.all():
+        row = int((~ascending).nonzero()[0, 0])
+        problems.append(f"row {row}: ids not strictly ascending: {idx[row].tolist()}")
+    n_valid = torch.isfinite(scores).sum(1)
+    expected = n_valid.clamp_max(k)
+    count = real.sum(1)
+    wrong = count != expected
+    if wrong.any():
+        row = int(wrong.nonzero()[0, 0])
+        problems.append(f"row {row}: {int(count[row])} real entries, expected min(K={k}, {int(n_valid[row])} valid)")
+    if C:
+        picked = torch.gather(scores, 1, idx.clamp(0, C - 1))
+        invalid = real & ~torch.isfinite(picked)
+        if invalid.any():
+            row = int(invalid.any(1).nonzero()[0, 0])
+            problems.append(f"row {row}: selects causally invalid columns: {idx[row].tolist()}")
+    return problems
+
+
+def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, truth: Snapshot) -> dict[str, list]:
+    """Structural problems of ``impl`` (``expect``: same-dtype reference, ``truth``: float64 reference)."""
+    problems: dict[str, list] = defaultdict(list)
+    mask = tensors.real_rows.cpu()
+    slack = torch.tensor([k == "slack" for k in tensors.row_kinds], dtype=torch.bool) if tensors.row_kinds else None
+    for what in impl.mutated:
+        problems["*"].append(f"the implementation modified {what} in place")
+
+    for name in dict.fromkeys(expect.names + impl.names):
+        a, e = impl[name], expect[name]
+        if (a is None) != (e is None):
+            present = a if a is not None else e
+            if name.startswith("grad/") and not bool((present != 0).any()):
+                continue  # no gradient and an all-zero one are the same value (autograd's None for an unused leaf)
+            problems[name].append("missing in the implementation" if a is None else
+                                  "returned by the implementation but not by the reference")
+            continue
+        if a is None:
+            continue
+        if tuple(a.shape) != tuple(e.shape):
+            problems[name].append(f"shape {tuple(a.shape)} != reference {tuple(e.shape)}")
+            continue
+        if a.dtype != e.dtype:
+            problems[name].append(f"dtype {_fmt_dtype(a)} != reference {_fmt_dtype(e)}")
+        a = a.detach().cpu()
+        if name == "topk_indices":
+            continue  # below, needs the scores
+        if a.is_floating_point() and torch.isnan(a).any() and name != "out" and name != "lse":
+            problems[name].append(f"{int(torch.isnan(a).sum())} NaN values")
+            continue
+        if name in ("out", "lse"):
+            ar = real_rows(a, mask)
+            if not torch.isfinite(ar).all():
+                problems[name].append(f"{int((~torch.isfinite(ar)).sum())} non-finite values on real rows")
+            if slack is not None and slack.any():
+                sr = real_rows(a, slack)
+                want = 0.0 if name == "out" else float("-inf")
+                if not bool((sr == want).all()):
+                    problems[name].append(f"slack rows (past the last boundary) are not {want:g}")
+        elif name == "index_scores":
+            t = truth[name]
+            if t is not None:
+                fa, ft = torch.isfinite(real_rows(a, mask)), torch.isfinite(real_rows(t.cpu(), mask))
+                if not torch.equal(fa, ft):
+                    problems[name].append(f"finite (causally valid) pattern differs on {int((fa != ft).sum())} "
+                                          "real-row entries")
+                if torch.isposinf(a).any():
+                    problems[name].append("+inf scores")
+        elif not torch.isfinite(a).all():
+            problems[name].append(f"{int((~torch.isfinite(a)).sum())} non-finite values")
+        if name.startswith("grad/") and name[5:] in INPUT_ORDER and not bool(mask.all()):
+            pad = other_rows(a, mask)
+            if (pad != 0).any():
+                problems[name].append(f"gradient on padding rows is not exactly 0 ({int((pad != 0).sum())} "
+                                      "non-zero elements)")
+
+    idx, scores = impl["topk_indices"], truth["index_scores"]
+    if idx is not None and not problems.get("topk_indices"):
+        if scores is None:
+            problems["topk_indices"].append("the reference returned no index_scores to check the selection against")
+        else:
+            k = case.config.dsa_indexer_topk
+            ir = real_rows(idx.cpu(), mask)
+            sr = real_rows(scores.cpu().to(torch.float64), mask)
+            problems["topk_indices"] += topk_problems(ir.reshape(ir.shape[0], -1) if ir.dim() > 1 else ir, sr, k)
+    return {k: v for k, v in problems.items() if v}
+
+
+def row_tensor_names(snapshot: Snapshot) -> list[str]:
+    return [n for n in snapshot.names if is_row_tensor(n)]
+
+
+def first(problems: dict[str, list]) -> Optional[tuple[str, str]]:
+    for name, items in problems.items():
+        if items:
+            return name, items[0]
+    return None

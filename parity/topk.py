@@ -1,0 +1,137 @@
+"""Tie-margin-aware comparison of top-k selections (spec parity-anchors §9.5, §12 "Top-k protocol").
+
+Per query row, with the float64 reference scores ``r`` (``-inf`` where not causally valid) and ``K`` slots:
+
+* ``n_valid ≤ K``: every valid column must be selected — the row is *clear* (no choice was made).
+* otherwise the *margin* is ``r_(K) - r_(K+1)`` (K-th minus (K+1)-th largest score) and the *score noise* is
+
+      δ = margin_factor · (max_j |a_j - r_j| ∨ max_j |p_j - r_j|  +  ulps · eps · max_j |r_j|)
+
+  over the row's valid columns, ``a`` the implementation's scores and ``p`` the same-dtype reference's. An
+  implementation that ranks ``r + e`` with ``|e| ≤ δ`` can only swap columns whose true scores lie within ``2δ``.
+  - *clear* row (``margin > 2δ``): the selected **set** must equal the reference's.
+  - *tied* row: the selection is compared by **gathered values** — the sorted reference scores of the selected
+    columns must match the sorted top-K reference scores within ``2δ`` each.
+
+:func:`compare` returns a :class:`TopkReport` with the row counts per regime (the ``topk`` field of the ``case``
+row) and the first mismatch. Structure (width, ``-1`` padding, ascending order, validity) is checked separately by
+:mod:`parity.structure`; this module assumes a structurally valid selection.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .metrics import eps
+
+
+@dataclass
+class TopkReport:
+    rows: int = 0
+    clear: int = 0
+    tied: int = 0
+    mismatched_clear: int = 0
+    mismatched_tied: int = 0
+    worst_gap_ratio: float = 0.0  # max over tied rows of (value gap / 2δ); ≤ 1 passes
+    first_failure: Optional[str] = None
+    details: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.mismatched_clear == 0 and self.mismatched_tied == 0
+
+    def summary(self) -> dict:
+        """The ``topk`` field of the results ``case`` row."""
+        return {"clear": self.clear, "tied": self.tied, "rows": self.rows}
+
+
+def reference_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The contract's selection: top ``k`` by score, ties to the lower column, ids ascending, ``-1`` padded.
+
+    ``scores``: ``[R, C]`` with ``-inf`` for invalid columns. Returns ``[R, k]`` int64.
+    """
+    R, C = scores.shape
+    out = torch.full((R, k), -1, dtype=torch.int64)
+    if C == 0 or k == 0:
+        return out
+    # stable descending sort keeps the lower column first among equal scores
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    valid = torch.isfinite(torch.gather(scores, 1, order))
+    chosen = torch.where(valid, order, torch.full_like(order, C))
+    chosen = torch.sort(chosen, dim=1).values
+    chosen[chosen == C] = -1
+    out[:, :chosen.shape[1]] = chosen
+    return out
+
+
+def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optional[torch.Tensor],
+            noise_scores: Optional[torch.Tensor], k: int, score_dtype: torch.dtype, ulps: float = 2.0,
+            margin_factor: float = 1.0) -> TopkReport:
+    """Compare the implementation's selection ``impl_idx [R, k]`` with the reference scores ``ref_scores [R, C]``.
+
+    ``impl_scores`` / ``noise_scores``: the implementation's and the same-dtype reference's scores ``[R, C]``
+    (either may be None). All score tensors float64, ``-inf`` where invalid.
+    """
+    rep = TopkReport(rows=int(ref_scores.shape[0]))
+    if rep.rows == 0:
+        return rep
+    R, C = ref_scores.shape
+    ref_idx = reference_topk(ref_scores, k)
+    valid = torch.isfinite(ref_scores)
+    n_valid = valid.sum(1)
+    zero = torch.zeros_like(ref_scores)
+    r0 = torch.where(valid, ref_scores, zero)
+
+    def row_err(x: Optional[torch.Tensor]) -> torch.Tensor:
+        if x is None:
+            return torch.zeros(R, dtype=torch.float64)
+        d = torch.where(valid & torch.isfinite(x), (x - ref_scores).abs(), zero)
+        return d.amax(1) if C else torch.zeros(R, dtype=torch.float64)
+
+    scale = r0.abs().amax(1) if C else torch.zeros(R, dtype=torch.float64)
+    delta = margin_factor * (torch.maximum(row_err(impl_scores), row_err(noise_scores)) + ulps * eps(score_dtype) * scale)
+
+    sorted_desc = torch.sort(ref_scores, dim=1, descending=True).values
+    chooses = n_valid > k
+    if k < C:
+        margin = torch.where(chooses, sorted_desc[:, k - 1] - sorted_desc[:, k] if k > 0 else zero[:, 0],
+                             torch.full((R,), math.inf, dtype=torch.float64))
+    else:
+        margin = torch.full((R,), math.inf, dtype=torch.float64)
+    clear = margin > 2 * delta
+    rep.clear, rep.tied = int(clear.sum()), int((~clear).sum())
+
+    # clear rows: identical sets (both sorted ascending with -1 at the end)
+    set_mismatch = clear & (impl_idx != ref_idx).any(1)
+    rep.mismatched_clear = int(set_mismatch.sum())
+
+    # tied rows: sorted gathered reference values within 2δ of the true top-k values
+    safe = impl_idx.clamp(0, max(C - 1, 0))
+    gathered = torch.where(impl_idx >= 0, torch.gather(r0, 1, safe) if C else safe.double(),
+                           torch.full(impl_idx.shape, -math.inf, dtype=torch.float64))
+    gathered = torch.sort(gathered, dim=1, descending=True).values
+    top = sorted_desc[:, :k] if C >= k else torch.cat(
+        [sorted_desc, torch.full((R, k - C), -math.inf, dtype=torch.float64)], 1)
+    both_inf = torch.isinf(gathered) & torch.isinf(top) & (gathered == top)
+    gap = torch.where(both_inf, torch.zeros_like(top), (gathered - top).abs()).amax(1) if k else zero[:, 0]
+    tol = 2 * delta
+    ratio = torch.where(tol > 0, gap / tol, torch.where(gap > 0, math.inf, 0.0))
+    tied_bad = (~clear) & (ratio > 1)
+    rep.mismatched_tied = int(tied_bad.sum())
+    if rep.tied:
+        rep.worst_gap_ratio = float(ratio[~clear].max())
+
+    if rep.mismatched_clear:
+        row = int(set_mismatch.nonzero()[0, 0])
+        rep.first_failure = (f"row {row}: selected {impl_idx[row].tolist()} but the reference selects "
+                             f"{ref_idx[row].tolist()} (margin {float(margin[row]):.3g} > 2·noise {float(tol[row]):.3g})")
+    elif rep.mismatched_tied:
+        row = int(tied_bad.nonzero()[0, 0])
+        rep.first_failure = (f"row {row} (near-tie, margin {float(margin[row]):.3g}): selected values differ from the "
+                             f"top-{k} by {float(gap[row]):.3g} > 2·noise {float(tol[row]):.3g}")
+    rep.details = {"min_margin_ratio": float((margin / tol.clamp_min(1e-300)).min()) if R else math.inf}
+    return rep

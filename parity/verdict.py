@@ -1,0 +1,226 @@
+"""The layered verdict per tensor and per case (spec parity-anchors §12).
+
+Rules, evaluated in this order; a tensor fails at the first rule it breaks, and that rule is reported:
+
+1. ``structure``   exact checks (:mod:`parity.structure`);
+2. ``noise_floor`` ``max|a - r| / (max|p - r| + ulp floor)`` ≤ factor (FlashAttention's rule; per-element ULP
+                   floor for tensors of at most ``scalar_numel`` elements, e.g. the sink gradient and the loss);
+3. ``similarity``  ``1 - cosine`` and ``1 - tensor_sim`` at most ``max(eps, f² · (1 - sim of the noise run))``
+                   (Megatron's backstop; ``f`` is rule 2's factor, squared because ``1 - sim`` grows with the
+                   square of the error, so tiny bf16 cases whose own reference cannot reach ``eps`` stay fair);
+4. ``aggregate``   RMSE and norm-scale error relative to the same-dtype reference's (dynamo's RMSE rule, plus a
+                   first-order detector of a systematic scale bias that the max-abs rule can miss in bf16; not
+                   for tensors under the per-element rule, whose "scale" is just their value).
+
+Top-k selections use rule ``tie_margin`` (:mod:`parity.topk`) after ``structure``.
+
+A passing tensor reports the rule that *bound* it (its highest tolerance usage). A case fails if any tensor fails;
+its ``decided_by`` is the earliest rule that failed any tensor (else the rule that bound the case).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from cases.case import Case
+from cases.tensors import CaseTensors
+
+from . import metrics as M
+from . import topk as topk_protocol
+from .policy import Policy, Tolerance
+from .snapshot import Snapshot, is_row_tensor, real_rows, tensor_class
+
+RULES = ("structure", "noise_floor", "similarity", "aggregate", "tie_margin")
+
+# gating metric -> (rule, policy attribute, kind); kind "max" = value <= threshold, "floor" = value >= 1 - eps
+GATES = {
+    "noise_floor_ratio": ("noise_floor", "noise_floor_ratio", "max"),
+    "cosine": ("similarity", "cosine_eps", "floor"),
+    "tensor_sim": ("similarity", "tensor_sim_eps", "floor"),
+    "rmse_ratio": ("aggregate", "rmse_ratio", "max"),
+    "scale_ratio": ("aggregate", "scale_ratio", "max"),
+}
+
+
+@dataclass
+class MetricRow:
+    metric: str
+    value: float
+    threshold: Optional[float] = None
+    passed: Optional[bool] = None
+
+    @property
+    def usage(self) -> float:
+        if self.threshold is None:
+            return math.nan
+        if self.metric in ("cosine", "tensor_sim"):
+            spent, allowed = 1.0 - self.value, 1.0 - self.threshold
+        else:
+            spent, allowed = self.value, self.threshold
+        if math.isnan(spent):
+            return math.inf
+        if allowed <= 0:
+            return 0.0 if spent <= 0 else math.inf
+        return max(spent, 0.0) / allowed
+
+
+@dataclass
+class TensorResult:
+    name: str
+    tensor_class: str
+    dtype: str
+    shape: list
+    verdict: str  # pass / fail
+    rule: str
+    message: str = ""
+    metrics: list = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict == "fail"
+
+
+def _dtype_name(x: Optional[torch.Tensor]) -> str:
+    return "none" if x is None else str(x.dtype).removeprefix("torch.")
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _binding(rows: list) -> tuple[str, float]:
+    """(rule, usage) of the gating metric closest to its threshold."""
+    best, usage = "", -1.0
+    for row in rows:
+        if row.metric in GATES and row.threshold is not None and row.usage > usage:
+            best, usage = GATES[row.metric][0], row.usage
+    return best, usage
+
+
+def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: torch.dtype,
+                  tol: Tolerance, scalar_numel: int, nan: int = 0, inf: int = 0) -> tuple[str, str, list]:
+    """Rules 2-4 on restricted float64 tensors; returns ``(verdict, rule, metric rows, failure message)``."""
+    per_element = r.numel() <= scalar_numel
+    values = M.compute(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
+                       scale_floor=tol.scale_floor)
+    rows = []
+    for metric in ("max_abs", "max_rel", "rmse", "rel_l2", "cosine", "tensor_sim", "frac_outside",
+                   "noise_floor_ratio", "ref_error", "ulp_floor", "rmse_ratio", "ref_rmse", "scale_error",
+                   "ref_scale_error", "scale_ratio", "ref_cosine", "ref_tensor_sim"):
+        value = values[metric]
+        if metric in GATES and not (per_element and metric == "scale_ratio"):  # a scalar's scale is its value
+            _, attr, kind = GATES[metric]
+            limit = getattr(tol, attr)
+            if kind == "floor":
+                limit = max(limit, tol.noise_floor_ratio ** 2 * (1.0 - values[f"ref_{metric}"]))
+            threshold = 1.0 - limit if kind == "floor" else limit
+            ok = value >= threshold if kind == "floor" else value <= threshold
+            rows.append(MetricRow(metric, value, threshold, bool(ok) and not math.isnan(value)))
+        else:
+            rows.append(MetricRow(metric, value))
+    rows.append(MetricRow("nan", float(nan), 0.0, nan == 0))
+    rows.append(MetricRow("inf", float(inf), 0.0, inf == 0))
+    rows.append(MetricRow("numel", float(r.numel())))
+    for rule in ("noise_floor", "similarity", "aggregate"):
+        bad = [row for row in rows if row.metric in GATES and GATES[row.metric][0] == rule and row.passed is False]
+        if bad:
+            row = bad[0]
+            op = ">=" if row.metric in ("cosine", "tensor_sim") else "<="
+            msg = f"{name}: {row.metric} {_fmt(row.value)} fails {op} {_fmt(row.threshold)}"
+            if row.metric == "noise_floor_ratio":
+                msg += (f" (max_abs {_fmt(values['max_abs'])} vs same-dtype reference error "
+                        f"{_fmt(values['ref_error'])} + ulp floor {_fmt(values['ulp_floor'])})")
+            return "fail", rule, rows, msg
+    rule, _ = _binding(rows)
+    return "pass", rule or "noise_floor", rows, ""
+
+
+def _restrict(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    x = M.as_f64(x)
+    return real_rows(x, mask) if is_row_tensor(name) else x
+
+
+def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: Snapshot, noise: Snapshot,
+                       problems: dict, policy: Policy, provider: str) -> tuple[list, Optional[topk_protocol.TopkReport]]:
+    """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer)."""
+    mask = tensors.real_rows.cpu()
+    results, report = [], None
+    for name in dict.fromkeys(truth.names + impl.names):
+        a, r, p = impl[name], truth[name], noise[name]
+        cls = tensor_class(name, case)
+        shown = a if a is not None else p
+        base = dict(name=name, tensor_class=cls, dtype=_dtype_name(shown),
+                    shape=list(shown.shape) if shown is not None else [])
+        if problems.get(name):
+            results.append(TensorResult(**base, verdict="fail", rule="structure",
+                                        message=f"{name}: {problems[name][0]}"))
+            continue
+        if a is None or r is None:
+            continue  # absent in both (checked by structure)
+        if name == "topk_indices":
+            report = _judge_topk(case, a, truth, noise, impl, mask, policy, base, results)
+            continue
+        ar, rr, pr = _restrict(name, a, mask), _restrict(name, r, mask), _restrict(name, p, mask)
+        nan = int(torch.isnan(ar).sum())
+        if name == "index_scores":  # compare where causally valid (the -inf pattern is a structure rule)
+            keep = torch.isfinite(rr)
+            inf = int(torch.isinf(ar[keep]).sum())
+            ar, rr, pr = ar[keep], rr[keep], pr[keep]
+            pr = torch.where(torch.isfinite(pr), pr, rr)
+        else:
+            inf = int(torch.isinf(ar).sum())
+        tol = policy.tolerance(cls, case.dtype, provider)
+        dtype = case.torch_dtype  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
+        verdict, rule, rows, msg = judge_numeric(name, cls, ar, rr, pr, dtype, tol, policy.scalar_numel, nan, inf)
+        results.append(TensorResult(**base, verdict=verdict, rule=rule, message=msg, metrics=rows))
+    return results, report
+
+
+def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results):
+    k = case.config.dsa_indexer_topk
+    scores = truth["index_scores"]
+    rs = real_rows(M.as_f64(scores), mask)
+    ps = noise["index_scores"]
+    ims = impl["index_scores"]
+    knobs = policy.topk(case.dtype)
+    score_dtype = torch.float64 if case.dtype == "float64" else torch.float32
+    idx = real_rows(a.cpu().to(torch.int64), mask)
+    rep = topk_protocol.compare(idx.reshape(idx.shape[0], -1), rs,
+                                None if ims is None else real_rows(M.as_f64(ims), mask),
+                                None if ps is None else real_rows(M.as_f64(ps), mask),
+                                k, score_dtype, ulps=float(knobs.get("ulps", 2)),
+                                margin_factor=float(knobs.get("margin_factor", 1.0)))
+    rows = [MetricRow("rows", float(rep.rows)), MetricRow("rows_clear", float(rep.clear)),
+            MetricRow("rows_tied", float(rep.tied)),
+            MetricRow("frac_tied", rep.tied / rep.rows if rep.rows else 0.0),
+            MetricRow("mismatched_clear", float(rep.mismatched_clear), 0.0, rep.mismatched_clear == 0),
+            MetricRow("mismatched_tied", float(rep.mismatched_tied), 0.0, rep.mismatched_tied == 0),
+            MetricRow("tied_gap_ratio", rep.worst_gap_ratio, 1.0, rep.worst_gap_ratio <= 1.0)]
+    rows.append(MetricRow("frac_outside", (rep.mismatched_clear + rep.mismatched_tied) / rep.rows if rep.rows else 0.0))
+    results.append(TensorResult(**base, verdict="pass" if rep.passed else "fail", rule="tie_margin",
+                                message="" if rep.passed else f"topk_indices: {rep.first_failure}", metrics=rows))
+    return rep
+
+
+def case_decision(tensor_results: list, case_problems: list) -> tuple[str, str, Optional[dict], str]:
+    """``(outcome, decided_by, first_failure, message)`` of a case from its tensors (pass / fail only)."""
+    if case_problems:
+        msg = case_problems[0]
+        return "fail", "structure", {"tensor": None, "rule": "structure", "message": msg}, msg
+    failed = [t for t in tensor_results if t.failed]
+    if failed:
+        worst = min(failed, key=lambda t: RULES.index(t.rule))
+        msg = worst.message or f"{worst.name} failed {worst.rule}"
+        more = len(failed) - 1
+        summary = msg + (f" (+{more} more failing tensor{'s' if more > 1 else ''})" if more else "")
+        return "fail", worst.rule, {"tensor": worst.name, "rule": worst.rule, "message": msg}, summary
+    rule, usage = "", -1.0
+    for t in tensor_results:
+        r, u = _binding(t.metrics)
+        if r and u > usage:
+            rule, usage = r, u
+    return "pass", rule or "structure", None, ""

@@ -1,0 +1,35 @@
+"""Precision policy and row chunking shared by every reference stage.
+
+Precision (ARCHITECTURE.md "Conventions"):
+    * float64 inputs: every step runs in float64.
+    * float32 / bfloat16 inputs: activations (projections, RoPE, norms outputs, compressed KV) stay in their dtype;
+      softmax weights, log-sum-exps, indexer scores and the loss run in float32, as production does.
+
+Chunking: the sparse attention, the indexer scores and the loss teacher work on blocks of ``ROW_CHUNK`` query rows,
+so the memory of one block is ``ROW_CHUNK x (keys of a row)`` and never ``rows x rows``. Tests lower ``ROW_CHUNK``
+to check that the result does not depend on it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+ROW_CHUNK = 256
+"""Query rows per block in the chunked stages (any value >= 1 gives the same numbers)."""
+
+FP32_TINY = torch.finfo(torch.float32).tiny
+"""Clamp of the teacher's L1 normaliser and of log(target) (spec §5.3, non-legacy path)."""
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of softmax / LSE / score / loss arithmetic for activations of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_chunks(rows: int) -> Iterator[slice]:
+    """Consecutive slices of at most ``ROW_CHUNK`` rows covering ``range(rows)`` (none when ``rows == 0``)."""
+    step = max(1, int(ROW_CHUNK))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))

@@ -1,0 +1,76 @@
+"""Sparse attention over window ∪ compressed set ∪ per-head sink (spec §4), and its key-index construction.
+
+For one sequence with ``kv_full = [kv (S rows); compressed entries (n_comp rows)]`` and a row's key set ``U(i)``::
+
+    l[h, k] = sigma * q[i, h] . kv_full[k]                    k in U(i)    (float32 / float64)
+    P[h, k] = exp(l[h, k]) / (sum_k' exp(l[h, k']) + exp(a_h))             a_h = attn_sink[h], the sink has no value
+    o[i, h] = sum_k P[h, k] kv_full[k]                                       (V = K, all D dims)
+    lse[i, h] = logsumexp_k l[h, k]                                          (WITHOUT the sink, FlashMLA convention)
+
+A row whose key set is empty gives ``o = 0`` and ``lse = -inf``. Keys are gathered per block of query rows, so memory
+grows with ``rows x |U|``, never ``rows x rows``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .numerics import compute_dtype, row_chunks
+
+
+def window_indices(seq_len: int, window: int, device=None) -> torch.Tensor:
+    """``[S, W]`` local key ids of the sliding window: row ``i`` holds ``max(0, i-W+1) + [0, W)``, ``-1`` past ``i``."""
+    i = torch.arange(seq_len, device=device).unsqueeze(1)
+    ids = torch.clamp(i - window + 1, min=0) + torch.arange(window, device=device)
+    return torch.where(ids > i, -1, ids)
+
+
+def all_compressed_indices(seq_len: int, ratio: int, n_comp: int, device=None) -> torch.Tensor:
+    """``[S, n_comp]`` ids ``S + g`` of every visible entry (``g < floor((i+1)/r)``), ``-1`` elsewhere (r=128, dense)."""
+    i = torch.arange(seq_len, device=device).unsqueeze(1)
+    g = torch.arange(n_comp, device=device)
+    return torch.where(g < (i + 1) // ratio, seq_len + g, -1)
+
+
+def selected_compressed_indices(topk: torch.Tensor, seq_len: int, ratio: int, n_comp: int) -> torch.Tensor:
+    """``[B, S, K]`` kv_full ids ``S + g`` for selected local ids ``g``, re-applying the causal rule; ``-1`` elsewhere."""
+    i = torch.arange(seq_len, device=topk.device).unsqueeze(1)
+    visible = torch.clamp((i + 1) // ratio, max=n_comp)
+    keep = (topk >= 0) & (topk < visible)
+    return torch.where(keep, topk + seq_len, -1)
+
+
+def gather_rows(kv_full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``kv_full [B, N, D]``, ``ids [B, s, k]`` (``-1`` allowed) -> ``[B, s, k, D]`` (``-1`` slots read row 0)."""
+    B = kv_full.shape[0]
+    batch = torch.arange(B, device=kv_full.device).view(B, 1, 1)
+    return kv_full[batch, ids.clamp(min=0)]
+
+
+def sparse_attention(query: torch.Tensor, kv_full: torch.Tensor, indices: torch.Tensor, attn_sink: torch.Tensor,
+                     softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, S, n, D] in query.dtype, lse [B, S, n] float32/64)`` of the sink softmax (module docstring).
+
+    ``query [B, S, n, D]``; ``kv_full [B, N, D]``; ``indices [B, S, width]`` ids into ``kv_full``, ``-1`` = no key
+    (duplicates are not expected); ``attn_sink [n]``.
+    """
+    B, S, n, D = query.shape
+    work = compute_dtype(query.dtype)
+    sink = attn_sink.to(work).view(1, 1, n, 1)
+    outs, lses = [], []
+    for rows in row_chunks(S):
+        ids = indices[:, rows]                                       # [B, s, k]
+        keys = gather_rows(kv_full, ids).to(work)                    # [B, s, k, D]
+        logits = (query[:, rows].to(work) @ keys.transpose(-1, -2)) * softmax_scale  # [B, s, n, k]
+        present = (ids >= 0).unsqueeze(2)                            # [B, s, 1, k]
+        logits = logits.masked_fill(~present, float("-inf"))
+        # the full normaliser includes the sink, so it is finite even for a row without keys
+        normaliser = torch.logsumexp(torch.cat((logits, sink.expand(B, logits.shape[1], n, 1)), dim=-1), dim=-1)
+        probs = torch.exp(logits - normaliser.unsqueeze(-1))
+        outs.append((probs @ keys).to(query.dtype))
+        has_key = present.any(dim=-1)                                # [B, s, 1]
+        safe = torch.where(has_key.unsqueeze(-1), logits, 0.0)       # no -inf-only rows inside logsumexp
+        lses.append(torch.where(has_key, torch.logsumexp(safe, dim=-1), float("-inf")))
+    if not outs:
+        return query.new_zeros((B, 0, n, D)), query.new_zeros((B, 0, n), dtype=work)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)

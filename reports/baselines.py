@@ -1,0 +1,148 @@
+"""Committed baselines: ``reports/baselines/<arch>/<name>/`` = ``metrics.csv`` + ``env.json`` (+ ``gate.json``).
+
+* ``metrics.csv`` — the run's per-case per-tensor metrics table (schema: ``reports/SCHEMA.md``).
+* ``env.json``    — where it came from: ``run_id``, ``suite``, ``impl``, ``against``, ``provider``, ``started``,
+  ``counts``, ``arch``, ``env`` (python / torch / cuda / cudnn / cudnn_frontend / flash_mla / gpu / driver / git_rev).
+* ``gate.json``   — optional :class:`reports.drift.GateConfig` overrides for comparisons against this baseline.
+
+``<arch>`` is :func:`arch_of` the run's GPU (``cpu`` without one, ``h200`` for "NVIDIA H200", ...). Library versions
+go into ``<name>`` when they matter (e.g. ``h200/smoke-cudnn9.10``); ``env.json`` always records them.
+
+A baseline is named (``--baseline``) by, in this order: a path (a baseline directory, a run directory or a
+``results.jsonl`` — any earlier run can serve), ``<arch>/<name>`` under the baselines root, or a bare ``<name>``
+looked up under the current run's own arch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .drift import GateConfig
+from .errors import ReportError
+from .load import RESULTS_NAME, RunData, load_run, peek_run
+from .schema import CSV_SCHEMA_VERSION, OUTCOMES
+from .table import CSV_NAME, metrics_table, read_csv, write_csv
+
+BASELINES_ROOT = Path(__file__).resolve().parent / "baselines"
+METRICS_NAME = "metrics.csv"
+ENV_NAME = "env.json"
+GATE_NAME = "gate.json"
+
+
+@dataclass
+class Baseline:
+    name: str
+    path: Path
+    table: pd.DataFrame
+    env: dict[str, Any] = field(default_factory=dict)
+    gate: dict[str, Any] = field(default_factory=dict)
+
+
+def arch_of(env: dict[str, Any] | None) -> str:
+    """Architecture slug of a run's env: ``cpu`` without a GPU, else the model token (``h200``, ``a100``, ``gb200``)."""
+    gpu = (env or {}).get("gpu")
+    if not gpu:
+        return "cpu"
+    text = str(gpu).lower().replace("nvidia", " ")
+    match = re.search(r"\b([a-z]{1,3}\d{2,4}[a-z]?)\b", text)
+    return match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", text).strip("-") or "gpu"
+
+
+def provenance(run: dict[str, Any], counts: dict[str, int], complete: bool) -> dict[str, Any]:
+    """``env.json`` of a baseline: the run row's identity and environment, the case counts."""
+    env = run.get("env") if isinstance(run.get("env"), dict) else {}
+    return {"run_id": run.get("run_id"), "suite": run.get("suite"), "impl": run.get("impl"),
+            "against": run.get("against"), "provider": run.get("provider"), "started": run.get("started"),
+            "counts": counts, "complete": complete, "arch": arch_of(env), "schema_version": CSV_SCHEMA_VERSION,
+            "env": env}
+
+
+def _counts(table: pd.DataFrame) -> dict[str, int]:
+    found = table.drop_duplicates("case_id")["outcome"].value_counts()
+    return {o: int(found.get(o, 0)) for o in OUTCOMES}
+
+
+def available(root: Path = BASELINES_ROOT) -> list[str]:
+    return sorted(str(p.parent.relative_to(root)) for p in root.glob(f"*/*/{METRICS_NAME}"))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ReportError(str(path), f"not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(data, dict):
+        raise ReportError(str(path), "must be a JSON object")
+    return data
+
+
+def _from_run(name: str, results: Path) -> Baseline:
+    """An earlier run as the baseline: its ``results.csv`` when newer than the JSONL, else the JSONL itself."""
+    csv = results.parent / CSV_NAME
+    if csv.is_file() and csv.stat().st_mtime >= results.stat().st_mtime:
+        run, end = peek_run(results)
+        table = read_csv(csv)
+        return Baseline(name=name, path=results.parent, table=table,
+                        env=provenance(run, _counts(table), end is not None))
+    data = load_run(results)
+    return Baseline(name=name, path=results.parent, table=metrics_table(data),
+                    env=provenance(data.run, data.counts, data.complete))
+
+
+def load_baseline(name: str, *, current: RunData | None = None, root: Path = BASELINES_ROOT) -> Baseline:
+    """Resolve and read a baseline (see the module docstring for how ``name`` is looked up)."""
+    path = Path(name)
+    if path.is_file() and path.name == RESULTS_NAME:
+        return _from_run(name, path)
+    if path.is_dir():
+        if (path / METRICS_NAME).is_file():
+            return _baseline_dir(name, path)
+        if (path / RESULTS_NAME).is_file():
+            return _from_run(name, path / RESULTS_NAME)
+        raise ReportError("--baseline", f"{path} holds neither {METRICS_NAME} nor {RESULTS_NAME}")
+    tried = []
+    for candidate in ([root / name] if "/" in name else []) + \
+            ([root / arch_of(current.env if current else None) / name] if "/" not in name else []):
+        tried.append(str(candidate))
+        if (candidate / METRICS_NAME).is_file():
+            return _baseline_dir(name, candidate)
+    known = ", ".join(available(root)) or "none yet"
+    raise ReportError("--baseline", f"no baseline {name!r} (looked for {' and '.join(tried)}); available: {known}")
+
+
+def _baseline_dir(name: str, path: Path) -> Baseline:
+    return Baseline(name=name, path=path, table=read_csv(path / METRICS_NAME), env=_read_json(path / ENV_NAME),
+                    gate=_read_json(path / GATE_NAME))
+
+
+def default_baseline(data: RunData, root: Path = BASELINES_ROOT) -> str | None:
+    """``<arch>/<suite>`` of the run when such a baseline is committed, else None."""
+    suite = data.run.get("suite")
+    if suite and (root / arch_of(data.env) / str(suite) / METRICS_NAME).is_file():
+        return f"{arch_of(data.env)}/{suite}"
+    return None
+
+
+def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path = BASELINES_ROOT,
+                  gate: GateConfig | None = None) -> Path:
+    """Write ``table`` as baseline ``name`` (``<arch>/<name>``, or a bare name under the run's arch)."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?", name) or ".." in name:
+        raise ReportError("--baseline", f"baseline names are NAME or ARCH/NAME ([A-Za-z0-9._-]), got {name!r}")
+    target = root / (name if "/" in name else f"{arch_of(data.env)}/{name}")
+    if not data.complete:
+        raise ReportError("--update", f"run {data.run_id} has no 'end' row; refusing to baseline a partial run")
+    target.mkdir(parents=True, exist_ok=True)
+    write_csv(table, target / METRICS_NAME)
+    (target / ENV_NAME).write_text(json.dumps(provenance(data.run, data.counts, data.complete), indent=2,
+                                              sort_keys=True) + "\n")
+    if gate is not None:
+        (target / GATE_NAME).write_text(json.dumps(gate.to_dict(), indent=2, sort_keys=True) + "\n")
+    return target

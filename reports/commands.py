@@ -1,0 +1,155 @@
+"""CLI plumbing: ``dsv4-parity report`` and ``dsv4-parity compare``.
+
+``parity/cli.py`` imports this module lazily and calls :func:`add_parsers` on its subparsers; every subcommand sets
+``func(args) -> int``. Standalone: ``python -m reports.commands report RUN``.
+
+Exit codes: 0 rendered / gate passed; 1 drift gate failed (``compare``); 2 bad input (one-line message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from .baselines import BASELINES_ROOT, default_baseline, load_baseline, save_baseline
+from .drift import GateConfig, compare_tables
+from .errors import ReportError
+from .load import load_run, resolve_results
+from .render import gate_for
+from .render import render_run as _render
+from .schema import DRIFT_METRICS
+from .table import metrics_table
+from .terminal import render_drift
+
+OUT_ROOT = Path(__file__).resolve().parent / "out"
+LATEST = OUT_ROOT / "latest"
+
+
+def _gate_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("drift gate (defaults: the baseline's gate.json, else noise_floor_ratio / "
+                                      "p90 / 2x; reports/SCHEMA.md)")
+    group.add_argument("--metric", choices=DRIFT_METRICS, default=None, help="error metric compared")
+    group.add_argument("--stat", dest="statistic", default=None, metavar="STAT",
+                       help="per-class statistic of the pair ratios: median, max or pNN (default p90)")
+    group.add_argument("--factor", type=float, default=None, help="regression when the statistic exceeds this")
+    group.add_argument("--floor-ulps", type=float, default=None,
+                       help="floor in ulps of the tensor's dtype for max_rel / max_abs (default 4) or rel_l2 / rmse "
+                            "(default 0.25)")
+    group.add_argument("--ratio-floor", type=float, default=None,
+                       help="floor for noise_floor_ratio (default 0.25)")
+    parser.add_argument("--baselines-dir", type=Path, default=BASELINES_ROOT, help=argparse.SUPPRESS)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    return {name: getattr(args, name) for name in ("metric", "statistic", "factor", "floor_ulps", "ratio_floor")}
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    report = subparsers.add_parser(
+        "report", help="render a run's terminal summary, results.csv and index.html",
+        description="Render every view of a run from its results.jsonl: terminal summary, results.csv and one "
+                    "self-contained index.html, written next to the JSONL.")
+    report.add_argument("run", nargs="?", default=str(LATEST),
+                        help="run directory, its results.jsonl, or a run id under reports/out (default: latest)")
+    report.add_argument("--baseline", default="auto", metavar="NAME",
+                        help="drift baseline: ARCH/NAME, NAME (this run's arch), a run directory, 'auto' "
+                             "(ARCH/SUITE when committed; default) or 'none'")
+    report.add_argument("--top", type=int, default=10, help="worst offenders listed in the terminal")
+    report.add_argument("--no-html", action="store_true", help="skip index.html")
+    report.add_argument("--no-csv", action="store_true", help="skip results.csv")
+    report.add_argument("--quiet", action="store_true", help="no terminal summary")
+    _gate_options(report)
+    report.set_defaults(func=report_command)
+
+    compare = subparsers.add_parser(
+        "compare", help="relative-regression gate: fail when a tensor class's error grew over the baseline",
+        description="Compare a run with a baseline per tensor class (see reports/SCHEMA.md, 'Drift'). Exit 1 when "
+                    "a class regressed by more than the factor or a case newly fails, even inside the absolute "
+                    "tolerances. --update stores the run as the baseline instead.")
+    compare.add_argument("run", help="run directory, its results.jsonl, or a run id under reports/out")
+    compare.add_argument("--baseline", default="auto", metavar="NAME",
+                         help="ARCH/NAME, NAME (this run's arch), a run directory, or 'auto' (ARCH/SUITE)")
+    compare.add_argument("--update", action="store_true",
+                         help="write this run as baseline NAME (metrics.csv, env.json, gate.json) and exit 0")
+    compare.add_argument("--render", action="store_true", help="also write results.csv / index.html with drift")
+    _gate_options(compare)
+    compare.set_defaults(func=compare_command)
+
+
+def _console() -> Console:
+    console = Console(highlight=False)
+    if not console.is_terminal:  # CI logs / pipes: rich's 80-column default folds the tables
+        console = Console(highlight=False, width=160)
+    return console
+
+
+def _fail(command: str, error: ReportError) -> int:
+    print(f"dsv4-parity {command}: error: {error}", file=sys.stderr)
+    return 2
+
+
+def report_command(args: argparse.Namespace) -> int:
+    try:
+        results = resolve_results(args.run, OUT_ROOT)
+        baseline = None if args.baseline in ("none", "") else args.baseline
+        _render(results, baseline=baseline, console=None if args.quiet else _console(), html=not args.no_html,
+                   csv=not args.no_csv, top=args.top, baselines_root=args.baselines_dir,
+                   gate_overrides=_overrides(args))
+    except ReportError as error:
+        return _fail("report", error)
+    return 0
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    console = _console()
+    try:
+        results = resolve_results(args.run, OUT_ROOT)
+        data = load_run(results)
+        name = args.baseline
+        if name == "auto":
+            name = default_baseline(data, args.baselines_dir) or (str(data.run.get("suite") or "") if args.update
+                                                                   else None)
+            if not name:
+                raise ReportError("--baseline", "no committed baseline for this run's arch/suite; pass --baseline")
+        if args.update:
+            gate = GateConfig().updated(**_overrides(args))
+            target = save_baseline(data, metrics_table(data), name, root=args.baselines_dir, gate=gate)
+            console.print(f"baseline written: {target}")
+            return 0
+        if args.render:
+            rendered = _render(results, baseline=name, console=None, baselines_root=args.baselines_dir,
+                               gate_overrides=_overrides(args))
+            drift, base = rendered.drift, rendered.baseline
+            console.print(f"html: {rendered.html}")
+        else:
+            base = load_baseline(name, current=data, root=args.baselines_dir)
+            drift = compare_tables(metrics_table(data), base.table, gate_for(base, **_overrides(args)))
+        if drift.pairs.empty and drift.only_current:
+            raise ReportError("--baseline", f"{base.name} shares no (case, tensor) pair with run {data.run_id} "
+                                            f"(another suite, or case ids changed): nothing to compare; refresh it "
+                                            f"with --update")
+    except ReportError as error:
+        return _fail("compare", error)
+    console.print(f"run {data.run_id} vs baseline {base.name} ({base.env.get('run_id', base.path)})")
+    render_drift(drift, console, baseline_name=base.name)
+    return 0 if drift.passed else 1
+
+
+def render_run(run: str | Path, *, quiet: bool = False) -> None:
+    """What ``dsv4-parity run --make-default`` calls on its run directory: every view, default baseline, terminal
+    summary on stdout unless ``quiet``. Raises :class:`ReportError` on a stream it cannot render."""
+    _render(run, baseline="auto", console=None if quiet else _console())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reports.commands")
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Baselines: arch naming, save / load round trip, how --baseline names resolve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reports.baselines import arch_of, available, default_baseline, load_baseline, save_baseline
+from reports.drift import GateConfig, compare_tables
+from reports.errors import ReportError
+from reports.load import load_run
+from reports.table import metrics_table
+
+from .conftest import rows_of, write_rows
+
+
+@pytest.mark.parametrize("gpu, arch", [(None, "cpu"), ("", "cpu"), ("NVIDIA H200 (sm90)", "h200"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GB200", "gb200")])
+def test_arch_of(gpu, arch):
+    assert arch_of({"gpu": gpu}) == arch
+
+
+def test_save_and_load_round_trip(runs, tmp_path):
+    data = load_run(runs["base"])
+    table = metrics_table(data)
+    target = save_baseline(data, table, "smoke", root=tmp_path, gate=GateConfig(factor=3.0))
+    assert target == tmp_path / "cpu" / "smoke"
+    env = json.loads((target / "env.json").read_text())
+    assert env["run_id"] == "base" and env["arch"] == "cpu" and env["counts"] == data.counts
+    assert env["env"]["torch"] == data.env["torch"]
+    assert available(tmp_path) == ["cpu/smoke"]
+    baseline = load_baseline("cpu/smoke", root=tmp_path)
+    assert baseline.gate["factor"] == 3.0
+    assert compare_tables(table, baseline.table).passed
+    assert (baseline.table["case_id"] == table["case_id"]).all()
+
+
+def test_bare_name_resolves_under_the_runs_arch_and_auto_default(runs, tmp_path):
+    data = load_run(runs["base"])
+    save_baseline(data, metrics_table(data), "smoke", root=tmp_path)
+    assert load_baseline("smoke", current=data, root=tmp_path).path == tmp_path / "cpu" / "smoke"
+    assert default_baseline(data, tmp_path) == "cpu/smoke"
+    # negative control: a GPU run does not pick up the CPU baseline
+    gpu_run = load_run(runs["base"])
+    gpu_run.run["env"] = {**gpu_run.env, "gpu": "NVIDIA H200 (sm90)"}
+    assert default_baseline(gpu_run, tmp_path) is None
+    with pytest.raises(ReportError, match=r"no baseline 'smoke' \(looked for .*h200/smoke\); available: cpu/smoke"):
+        load_baseline("smoke", current=gpu_run, root=tmp_path)
+
+
+def test_a_run_directory_serves_as_baseline(runs, tmp_path):
+    baseline = load_baseline(str(runs["base"]), root=tmp_path)
+    assert baseline.env["run_id"] == "base" and len(baseline.table) > 0
+
+
+def test_a_partial_run_is_never_baselined(tmp_path):
+    data = load_run(write_rows(rows_of(n_cases=4, complete=False), tmp_path / "run"))
+    with pytest.raises(ReportError, match="no 'end' row"):
+        save_baseline(data, metrics_table(data), "smoke", root=tmp_path / "b")
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b/c", "sp ace"])
+def test_baseline_names_are_checked(runs, tmp_path, name):
+    data = load_run(runs["base"])
+    with pytest.raises(ReportError, match="baseline names"):
+        save_baseline(data, metrics_table(data), name, root=tmp_path)
+
+
+def test_a_broken_gate_json_names_the_file(runs, tmp_path):
+    data = load_run(runs["base"])
+    target = save_baseline(data, metrics_table(data), "smoke", root=tmp_path)
+    (target / "gate.json").write_text('{"factor": 0.5}')
+    from reports.render import gate_for
+    with pytest.raises(ReportError, match=r"gate.json.factor: must be a number > 1"):
+        gate_for(load_baseline("cpu/smoke", root=tmp_path))

@@ -1,0 +1,160 @@
+"""index.html: one self-contained file with every section; drift, failures, coverage and mutants rendered."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from reports.coverage import coverage, gaps
+from reports.load import load_run
+from reports.render import render_run
+
+from .conftest import read_rows, rows_of, write_rows
+
+
+class Page(HTMLParser):
+    """Tags with their attributes, the text of ``<script type="application/json">``."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.data: dict[str, str] = {}
+        self._json: str | None = None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.append((tag, attrs))
+        if tag == "script" and attrs.get("type") == "application/json":
+            self._json = attrs.get("id")
+
+    def handle_data(self, data):
+        if self._json:
+            self.data[self._json] = self.data.get(self._json, "") + data
+
+    def handle_endtag(self, tag):
+        if tag == "script":
+            self._json = None
+
+    def find(self, tag=None, **attrs):
+        return [a for t, a in self.tags if (tag is None or t == tag) and all(a.get(k) == v for k, v in attrs.items())]
+
+
+@pytest.fixture(scope="module")
+def rendered(runs, tmp_path_factory):
+    """The planted-regression run with mutants, rendered against the base run."""
+    import shutil
+    root = tmp_path_factory.mktemp("html")
+    run_dir = Path(shutil.copytree(runs["regressed"], root / "regressed"))
+    shutil.copy(runs["mutated"] / "mutants.jsonl", run_dir / "mutants.jsonl")
+    result = render_run(run_dir, baseline=str(runs["base"]))
+    text = result.html.read_text()
+    return {"dir": run_dir, "text": text, "page": Page(text), "result": result}
+
+
+def test_the_page_is_self_contained(rendered):
+    page, text = rendered["page"], rendered["text"]
+    csp = page.find("meta", **{"http-equiv": "Content-Security-Policy"})
+    assert csp and "default-src 'none'" in csp[0]["content"] and "img-src data:" in csp[0]["content"]
+    assert page.find("link") == [] and [a for a in page.find("script") if "src" in a] == []
+    images = page.find("img")
+    assert len(images) >= 3 and all(a["src"].startswith("data:image/png;base64,") for a in images)
+    for tag, attrs in page.tags:
+        for name in ("src", "href", "action"):
+            assert not re.match(r"(https?:)?//", attrs.get(name) or ""), (tag, attrs)
+    assert "@import" not in text and "url(" not in text.split("</style>")[0]
+
+
+def test_every_section_is_present(rendered):
+    ids = {a.get("id") for _, a in rendered["page"].tags}
+    assert {"summary", "drift", "cases", "distributions", "coverage", "failures", "mutants", "environment",
+            "cases-table", "case-filter", "drift-table", "class-table", "mutant-table"} <= ids
+
+
+def test_planted_regression_row_is_highlighted_and_only_that_one(rendered):
+    rows = rendered["page"].find("tr")
+    drift_rows = {a["data-class"]: a["class"] for a in rows if "drift-row" in (a.get("class") or "")}
+    assert drift_rows["grad_param"] == "drift-row regression"
+    assert all(c in ("drift-row steady", "drift-row no-pairs") for k, c in drift_rows.items() if k != "grad_param")
+    assert "Drift gate <b>FAIL</b>" in rendered["text"]
+
+
+def test_case_table_has_one_row_per_case_and_sort_keys(rendered, runs):
+    page = rendered["page"]
+    case_rows = [a for a in page.find("tr") if "case-row" in (a.get("class") or "")]
+    cases = [r["case_id"] for r in read_rows(runs["regressed"]) if r["type"] == "case"]
+    assert [a["data-case"] for a in case_rows] == cases
+    numeric = [a for a in page.find("td") if a.get("data-col") == "usage"]
+    assert len(numeric) == len(cases)
+    assert all(a["data-v"] == "" or float(a["data-v"]) >= 0 for a in numeric)
+
+
+def test_embedded_case_data_parses_and_carries_tensors_and_repro(rendered, runs):
+    data = json.loads(rendered["page"].data["case-data"])
+    rows = read_rows(runs["regressed"])
+    cases = {r["case_id"]: r for r in rows if r["type"] == "case"}
+    assert set(data["cases"]) == set(cases)
+    some = next(c for c in cases.values() if c["outcome"] == "pass")
+    entry = data["cases"][some["case_id"]]
+    assert entry["r"] == some["repro"] and entry["c"] == some["case"]
+    assert len(entry["t"]) == sum(r["type"] == "tensor" and r["case_id"] == some["case_id"] for r in rows)
+    assert data["metrics"][0] == "noise_floor_ratio"
+
+
+def test_failing_cases_show_json_and_repro(rendered):
+    data = load_run(rendered["dir"])
+    failing = data.cases.loc[data.cases["outcome"].isin(["fail", "error"])]
+    details = rendered["page"].find("details")
+    assert {a["id"] for a in details} == {f"failure-{c}" for c in failing["case_id"]}
+    copies = {a["data-copy"] for a in rendered["page"].find("button") if "data-copy" in a}
+    assert set(failing["repro"]) <= copies
+
+
+def test_mutation_section_counts_and_highlights_survivors(rendered):
+    text = rendered["text"]
+    assert re.search(r'<tr class="mutant survived"><td><code>lse_base2</code>', text)
+    assert re.search(r'<tr class="mutant unreachable"><td><code>topk_tie_upper_index</code>', text)
+
+
+def test_without_mutants_or_baseline_those_sections_say_so(copy_run):
+    run_dir = copy_run("base")
+    text = render_run(run_dir, baseline=None).html.read_text()
+    assert 'id="mutants"' not in text and 'id="drift-none"' in text and 'id="drift-table"' not in text
+
+
+def test_hostile_strings_are_escaped(tmp_path):
+    rows = rows_of(n_cases=3, fail_every=1)
+    evil = "</script><script>alert(1)</script><b>x</b>"
+    for r in rows:
+        if r["type"] == "case":
+            r["message"] = evil
+            r["first_failure"]["message"] = evil
+    text = render_run(write_rows(rows, tmp_path), baseline=None, html=True, csv=False).html.read_text()
+    assert evil not in text and "alert(1)" in text  # present, but only escaped
+    assert text.count("<script") == 2  # the JSON island and the page script, nothing injected
+
+
+def test_coverage_flags_a_boolean_side_no_case_reached(runs):
+    data = load_run(runs["base"])
+    groups = coverage(data.cases)
+    assert "zero_length=true" not in gaps(groups)  # negative control: the synthetic suite has both sides
+    only_false = data.cases.copy()
+    only_false["features"] = [{**f, "zero_length": False} for f in only_false["features"]]
+    assert "zero_length=true" in gaps(coverage(only_false))
+    ratio = next(g for g in coverage(data.cases) if g["feature"] == "ratio")
+    assert [v["label"] for v in ratio["values"]] == ["0", "4", "128"]
+    assert sum(v["total"] for v in ratio["values"]) == len(data.cases)
+
+
+def test_topk_regimes_and_providers_are_summed_over_cases(rendered, runs):
+    cases = [r for r in read_rows(runs["regressed"]) if r["type"] == "case"]
+    topk = [c["topk"] for c in cases if c["topk"]]
+    clear, tied = sum(t["clear"] for t in topk), sum(t["tied"] for t in topk)
+    assert f"<b>{clear}</b> clear" in rendered["text"] and f"<b>{tied}</b> tied" in rendered["text"]
+    plan_rows = re.findall(r"<tr><td>(\w+)</td><td><code>(\w+)</code></td><td class=\"n\">(\d+)</td></tr>",
+                           rendered["text"])
+    assert ("attention", "reference", str(len(cases))) in plan_rows
