@@ -14,7 +14,7 @@ import torch
 
 from cases.config import ModelConfig
 
-from . import ops
+from . import mutants, ops
 from .index_maps import batch_of_row, cu_seqlens_compressed
 
 Tensor = torch.Tensor
@@ -88,5 +88,7 @@ def compress_thd(x: Tensor, params: dict, prefix: str, config: ModelConfig, rati
     # tail rows read tokens [0, r); clamped so that a buffer shorter than r cannot index past its end
     gather = (base.unsqueeze(-1) + torch.arange(ratio, device=x.device)).clamp(max=max(x.shape[0] - 1, 0))
     first = (gather_local == 0) if ratio == 4 else None
+    if first is not None and mutants.is_active(mutants.OVERLAP_CROSSES_SEGMENTS):
+        first = row == 0  # only the pack's first block starts fresh: the overlap crosses segment boundaries
     c = _pool(kv[gather], score[gather], params[f"{prefix}.ape"], ratio, head_dim, first)
     return _finish(c, local * ratio, params, prefix, config, rotate, x.dtype), cu_comp

@@ -75,6 +75,8 @@ def compress_idxs_sbhd(ratio: int, batch: int, seqlen: int, offset: int, device)
     """``(B, S, S // r)``: column ``g`` holds ``offset + g`` iff ``g < (s + 1) // r``, else -1."""
     g = torch.arange(seqlen // ratio, device=device, dtype=torch.int32)
     visible = (torch.arange(1, seqlen + 1, device=device, dtype=torch.int32) // ratio).unsqueeze(-1)
+    if mutants.is_active(mutants.CAUSAL_OFF_BY_ONE):
+        visible = visible + 1
     ids = torch.where(g < visible, g + offset, torch.full_like(g, -1))
     return ids.unsqueeze(0).expand(batch, -1, -1)
 
@@ -86,6 +88,9 @@ def compress_idxs_thd(ratio: int, cu_q: Tensor, cu_kv: Tensor, cu_comp: Tensor, 
     inside = rows < cu_q.long()[-1]
     pos = rows - cu_q.long()[seg]
     visible = torch.minimum(torch.div(pos + 1, ratio, rounding_mode="floor"), (cu_comp[1:] - cu_comp[:-1]).long()[seg])
+    if mutants.is_active(mutants.CAUSAL_OFF_BY_ONE):
+        visible = torch.minimum(torch.div(pos + 1, ratio, rounding_mode="floor") + 1,
+                                (cu_comp[1:] - cu_comp[:-1]).long()[seg])
     visible = torch.where(inside, visible, 0)
     g = torch.arange(width, device=cu_q.device, dtype=torch.int64)
     kv_len = (cu_kv[1:] - cu_kv[:-1]).long()[seg]
@@ -135,5 +140,8 @@ def cat_per_segment(kv: Tensor, compressed: Optional[Tensor], cu_kv: Tensor, cu_
         src = torch.arange(capacity, device=kv.device)
         kv_len = (cu_kv[1:] - cu_kv[:-1]).long()[seg]
         dst = cu_full.long()[seg] + kv_len + (src - cu_comp.long()[seg])
-        out[torch.where(src < cu_comp.long()[-1], dst, total_kv + src)] = compressed
+        tail = total_kv + src
+        if mutants.is_active(mutants.INVALID_COMP_ROWS_ONTO_VALID):
+            tail = torch.zeros_like(src)  # invalid rows "parked" on row 0: a valid key of segment 0
+        out[torch.where(src < cu_comp.long()[-1], dst, tail)] = compressed
     return out

@@ -15,7 +15,7 @@ from cases.config import ModelConfig
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 
-from . import ops
+from . import mutants, ops
 from .compressor import compress_sbhd, compress_thd
 from .index_maps import batch_of_row
 from .plan import kernels
@@ -57,13 +57,18 @@ def visible_counts(ratio: int, n_comp: int, rows_bshd: Optional[tuple], thd: Opt
     if thd is None:
         batch, seqlen = rows_bshd
         per_q = (torch.arange(1, seqlen + 1, device=device) // ratio).clamp(max=n_comp)
+        if mutants.is_active(mutants.CAUSAL_OFF_BY_ONE):
+            per_q = (torch.arange(1, seqlen + 1, device=device) // ratio + 1).clamp(max=n_comp)
         return per_q.repeat(batch).int()
     seg = batch_of_row(thd.cu, thd.total)
     rows = torch.arange(thd.total, device=device)
     inside = rows < thd.cu.long()[-1]
     pos = rows - thd.cu.long()[seg]
     n_seg = (cu_comp[1:] - cu_comp[:-1]).long()[seg]
-    return torch.where(inside, torch.minimum(torch.div(pos + 1, ratio, rounding_mode="floor"), n_seg), 0).int()
+    causal = torch.div(pos + 1, ratio, rounding_mode="floor")
+    if mutants.is_active(mutants.CAUSAL_OFF_BY_ONE):
+        causal = causal + 1
+    return torch.where(inside, torch.minimum(causal, n_seg), 0).int()
 
 
 def select_topk(q: Tensor, k: Tensor, w_scaled: Tensor, topk: int, ratio: int, thd: Optional[ThdMeta],
@@ -90,7 +95,8 @@ def select_topk(q: Tensor, k: Tensor, w_scaled: Tensor, topk: int, ratio: int, t
     width = min(topk, n_keys)
     ids = kernels.indexer_top_k(flat, visible, top_k=width, next_n=1, return_val=False)["indices"]
     if width < topk:
-        ids = torch.cat([ids, ids.new_full((ids.shape[0], topk - width), -1)], dim=-1)
+        fill = 0 if mutants.is_active(mutants.TOPK_WIDTH_K_SHORT) else -1  # the mutant: K "real" slots
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], topk - width), fill)], dim=-1)
     if thd is not None:  # keep only in-range, finite selections (production's THD post-filter)
         ok = (ids >= 0) & (ids < visible.unsqueeze(-1))
         picked = torch.gather(flat, 1, ids.clamp(0, max(n_keys - 1, 0)).long()) if n_keys else flat.new_zeros(ids.shape)

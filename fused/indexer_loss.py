@@ -79,6 +79,8 @@ def bshd_to_sbhd(t: Tensor) -> Tensor:
 def kl_from_target_predict(target: Tensor, predict: Tensor, topk: Tensor) -> Tensor:
     """Per-row ``KL(target || predict)`` over the top-k slots, both clamped at fp32 ``tiny``; rows without a valid
     slot give 0 (``_kl_loss_from_target_predict`` before its reduction)."""
+    if mutants.is_active(mutants.KL_FULL_WIDTH_NAN):  # every slot, unclamped: 0 * (log 0 - log 0) on -1 slots
+        return (target * (torch.log(target) - torch.log(predict))).sum(-1)
     t, p = target.clamp(min=FP32_TINY), predict.clamp(min=FP32_TINY)
     kl = (t * (torch.log(t) - torch.log(p))).sum(-1)
     return torch.where((topk >= 0).any(-1), kl, torch.zeros_like(kl))
@@ -170,6 +172,13 @@ class IndexerSparseAttnFunc(torch.autograd.Function):
         # 3. teacher and student
         sink = attn_sink.detach()
         full_lse = torch.logaddexp(lse, sink.to(lse.dtype).view(1, n))
+        if mutants.is_active(mutants.SINK_DROPPED_TEACHER):
+            full_lse = lse
+        if mutants.is_active(mutants.TEACHER_COMPRESSED_ONLY):  # the LSE of the selected compressed keys alone
+            comp_global = local_to_global_flat(comp_ids, -1, thd.cu, spec.cu_kv_full) if thd is not None else \
+                local_to_global_flat(comp_ids, batch)
+            comp_idxs, comp_length = compact(comp_global)
+            full_lse = flash_mla_forward(q_flat, kv_flat, comp_idxs, spec.scale, None, comp_length)[1]
         if thd is not None:
             q_det, k_comp_det, sparse_teacher = query.detach(), compressed_kv.detach(), full_lse
         else:
@@ -197,6 +206,10 @@ class IndexerSparseAttnFunc(torch.autograd.Function):
         else:
             index_lse = torch.logsumexp(scores, dim=-1)
             thd_kwargs = {}
+            if mutants.is_active(mutants.SINK_DROPPED_TEACHER) or mutants.is_active(mutants.TEACHER_COMPRESSED_ONLY):
+                sink = torch.full_like(sink, float("-inf"))
+            if mutants.is_active(mutants.TEACHER_COMPRESSED_ONLY):
+                window_global = torch.full_like(window_global, -1)
             if thd is not None:
                 thd_kwargs = dict(cu_seqlens_q=thd.cu, cu_seqlens_k=spec.cu_comp, max_seqlen_q=thd.max_seqlen,
                                   max_seqlen_k=spec.max_comp)
@@ -241,7 +254,8 @@ class IndexerSparseAttnFunc(torch.autograd.Function):
             grads = [torch.zeros_like(q_indexer), torch.zeros_like(weights), torch.zeros_like(k_indexer)]
         if grad_divisor is not None and spec.coeff > 0:
             grads = [g / grad_divisor.to(g.dtype if g.dtype == torch.float64 else torch.float32) for g in grads]
-        if padding is not None:  # padding rows send no gradient (and rows a kernel never wrote are not read)
+        # padding rows send no gradient (and rows a kernel never wrote are not read)
+        if padding is not None and not mutants.is_active(mutants.PADDING_GRADS_NOT_ZEROED):
             grads[0] = grads[0].masked_fill(padding.view(-1, 1, 1), 0)
             grads[1] = grads[1].masked_fill(padding.view(-1, 1), 0)
 

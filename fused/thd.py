@@ -10,6 +10,7 @@ import torch
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 
+from . import mutants
 from .index_maps import batch_of_row, real_row_mask_thd
 
 Tensor = torch.Tensor
@@ -42,6 +43,8 @@ class ThdMeta:
     def positions(self) -> Tensor:
         """RoPE position of every row: its offset from its padded segment's start (restarts per segment)."""
         rows = torch.arange(self.total, device=self.cu.device)
+        if mutants.is_active(mutants.GLOBAL_ROPE_POSITIONS):
+            return rows  # global across the pack
         return rows - self.cu.long()[batch_of_row(self.cu, self.total)]
 
     def padding_rows(self) -> Optional[Tensor]:

@@ -11,10 +11,11 @@ The noise-floor ratio (FlashAttention's rule, spec parity-anchors §2.2, §12)::
 
 ``ulp_floor = ulps · eps(dtype) · max|r|`` is a few units in the last place of the largest reference element, so a
 float64 case (where ``p`` *is* ``r``) and a tensor the low-precision reference happens to get exactly right still
-have a non-zero, dtype-sized floor. For scalar-like tensors (a per-head sink gradient, the loss) the floor is taken
-per element (FA4's dSink rule)::
+have a non-zero, dtype-sized floor; ``dtype`` is the case's working precision (an fp32 sink gradient of a bf16 case
+carries bf16 error). A tiny ``atol`` absorbs underflow noise where the reference is exactly zero. Scalar-like
+tensors (a per-head sink gradient, the loss) get FA4's dSink allowance per element on top::
 
-    noise_floor_ratio = max_i |a_i - r_i| / (max|p - r| + ulps · ulp(|r_i|))
+    noise_floor_ratio = max_i |a_i - r_i| / (max|p - r| + ulp_floor + atol + scalar_ulps · ulp(|r_i|))
 """
 
 from __future__ import annotations
@@ -114,21 +115,21 @@ def ulp_floor(r: torch.Tensor, dtype: torch.dtype, ulps: float) -> float:
 
 
 def noise_floor_ratio(a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: torch.dtype, ulps: float,
-                      per_element: bool = False) -> tuple[float, float]:
+                      per_element: bool = False, scalar_ulps: float = 0.0, atol: float = 0.0) -> tuple[float, float]:
     """``(ratio, floor)``: the implementation's max error in units of the noise floor (module docstring).
 
-    ``floor`` is the tensor-wide denominator (``max|p - r| + ulp_floor``); with ``per_element`` the ratio uses the
-    per-element ULP floor instead and ``floor`` reports its smallest value.
+    ``floor = max|p - r| + ulps·eps·max|r| + atol``. With ``per_element`` each element also gets
+    ``scalar_ulps · ulp(|r_i|)`` on top (never stricter than the tensor-wide rule); ``floor`` then reports the
+    smallest per-element value.
     """
     if not a.numel():
         return 0.0, 0.0
-    ref_err = max_abs(p, r)
+    den = max_abs(p, r) + ulp_floor(r, dtype, ulps) + atol
     err = (a - r).abs()
     if per_element:
-        den = ref_err + ulps * ulp(r, dtype)
-        ratio = err / den
-        return float(ratio.max()), float(den.min())
-    den = ref_err + ulp_floor(r, dtype, ulps)
+        dens = den + scalar_ulps * ulp(r, dtype)
+        ratio = torch.where(err == 0, torch.zeros_like(err), err / dens)
+        return float(ratio.max()), float(dens.min())
     if den == 0.0:
         return (0.0 if float(err.max()) == 0.0 else math.inf), 0.0
     return float(err.max()) / den, den
@@ -150,20 +151,20 @@ def frac_outside(a: torch.Tensor, r: torch.Tensor, tolerance: float) -> float:
 
 
 def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: torch.dtype, ulps: float,
-            per_element: bool = False, scalar_ulps: Optional[float] = None,
-            scale_floor: float = 0.25) -> dict[str, float]:
+            per_element: bool = False, scalar_ulps: float = 0.0, scale_floor: float = 0.25,
+            atol: float = 0.0) -> dict[str, float]:
     """Every metric of ``a`` vs the float64 truth ``r`` (and the noise run ``p``; ``None`` means ``p = r``).
 
     ``dtype`` is the working precision whose epsilon sizes the floors; ``ulps`` the tensor-wide ULP floor,
-    ``scalar_ulps`` the per-element one (used with ``per_element``), ``scale_floor`` the free systematic scale bias
-    in units of epsilon. Keys: ``max_abs max_rel rmse rel_l2 cosine tensor_sim frac_outside noise_floor_ratio
-    ref_error ulp_floor rmse_ratio ref_rmse scale_error scale_ratio ref_scale_error ref_cosine ref_tensor_sim``.
-    ``a``, ``r``, ``p`` must be finite float64 tensors of one shape (the caller counts and removes non-finite ones).
+    ``scalar_ulps`` the per-element allowance (with ``per_element``), ``scale_floor`` the free systematic scale bias
+    in units of epsilon, ``atol`` an absolute floor. Keys: ``max_abs max_rel rmse rel_l2 cosine tensor_sim
+    frac_outside noise_floor_ratio ref_error ulp_floor rmse_ratio ref_rmse scale_error scale_ratio ref_scale_error
+    ref_cosine ref_tensor_sim``. ``a``, ``r``, ``p`` must be finite float64 tensors of one shape (the caller counts
+    and removes non-finite elements).
     """
     p = r if p is None else p
     floor = ulp_floor(r, dtype, ulps)
-    nfr, den = noise_floor_ratio(a, r, p, dtype, scalar_ulps if per_element and scalar_ulps is not None else ulps,
-                                 per_element)
+    nfr, _ = noise_floor_ratio(a, r, p, dtype, ulps, per_element, scalar_ulps, atol)
     out = {
         "max_abs": max_abs(a, r),
         "max_rel": max_rel(a, r),
@@ -181,8 +182,8 @@ def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: 
         "ref_tensor_sim": tensor_sim(p, r),
     }
     rms_floor = ulps * eps(dtype) * (float(r.pow(2).mean().sqrt()) if r.numel() else 0.0)
-    out["rmse_ratio"] = ratio_to_floor(out["rmse"], out["ref_rmse"], rms_floor)
+    out["rmse_ratio"] = ratio_to_floor(out["rmse"], out["ref_rmse"], rms_floor + atol)
     # a systematic scale bias below scale_floor·eps is free: unbiased rounding moves the norm far less than that
     out["scale_ratio"] = ratio_to_floor(out["scale_error"], out["ref_scale_error"], scale_floor * eps(dtype))
-    out["frac_outside"] = frac_outside(a, r, den if not per_element else out["ref_error"] + floor)
+    out["frac_outside"] = frac_outside(a, r, out["ref_error"] + floor + atol)
     return out

@@ -12,7 +12,8 @@ verdict (:mod:`parity.verdict`) and the measured worst case each was set from::
 
     {"noise_floor_ratio": 3.0,   # rule 2: max|a - r| / (max|p - r| + ulps·eps·max|r|) <= this
      "ulps": 2,                  # the ULP floor of rules 2 and 4, in units of the *case* dtype's epsilon
-     "scalar_ulps": 8,           # optional: the per-element ULP floor of tiny tensors (sink gradient, loss)
+     "scalar_ulps": 8,           # optional (0): per-element ULPs added for tiny tensors (sink gradient, loss)
+     "atol": 1e-30,              # optional (0): absolute floor, absorbs underflow noise where the reference is 0
      "cosine_eps": 1e-3,         # rule 3: 1 - cosine <= this
      "tensor_sim_eps": 1e-3,     # rule 3: 1 - tensor_sim <= this
      "rmse_ratio": 3.0,          # rule 4: rmse(a - r) / (rmse(p - r) + floor) <= this
@@ -35,7 +36,7 @@ from cases.errors import CaseError
 POLICY_PATH = Path(__file__).with_name("policy.json")
 TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param")
 THRESHOLD_KEYS = ("noise_floor_ratio", "ulps", "cosine_eps", "tensor_sim_eps", "rmse_ratio", "scale_ratio")
-OPTIONAL_KEYS = {"scalar_ulps": None, "scale_floor": 0.25}  # None: same as ulps
+OPTIONAL_KEYS = {"scalar_ulps": 0.0, "scale_floor": 0.25, "atol": 0.0}
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Tolerance:
     scale_ratio: float
     scalar_ulps: float = 0.0
     scale_floor: float = 0.25
+    atol: float = 0.0
     measured: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""  # "class/dtype/provider" of the entry used
 
@@ -76,8 +78,8 @@ class Policy:
         pkey = provider if provider in by_provider else "*"
         entry = by_provider[pkey]
         values = {k: float(entry[k]) for k in THRESHOLD_KEYS}
-        values["scalar_ulps"] = float(entry.get("scalar_ulps", values["ulps"]))
-        values["scale_floor"] = float(entry.get("scale_floor", OPTIONAL_KEYS["scale_floor"]))
+        for key, default in OPTIONAL_KEYS.items():
+            values[key] = float(entry.get(key, default))
         return Tolerance(**values, measured=entry.get("measured", {}), source=f"{tensor_class}/{dkey}/{pkey}")
 
     def section(self, name: str) -> Mapping[str, Any]:

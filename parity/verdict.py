@@ -3,8 +3,9 @@
 Rules, evaluated in this order; a tensor fails at the first rule it breaks, and that rule is reported:
 
 1. ``structure``   exact checks (:mod:`parity.structure`);
-2. ``noise_floor`` ``max|a - r| / (max|p - r| + ulp floor)`` ≤ factor (FlashAttention's rule; per-element ULP
-                   floor for tensors of at most ``scalar_numel`` elements, e.g. the sink gradient and the loss);
+2. ``noise_floor`` ``max|a - r| / (max|p - r| + ulp floor + atol)`` ≤ factor (FlashAttention's rule; tensors of
+                   at most ``scalar_numel`` elements, e.g. the sink gradient and the loss, get FA4's per-element
+                   ULP allowance on top);
 3. ``similarity``  ``1 - cosine`` and ``1 - tensor_sim`` at most ``max(eps, f² · (1 - sim of the noise run))``
                    (Megatron's backstop; ``f`` is rule 2's factor, squared because ``1 - sim`` grows with the
                    square of the error, so tiny bf16 cases whose own reference cannot reach ``eps`` stay fair);
@@ -106,7 +107,7 @@ def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torc
     """Rules 2-4 on restricted float64 tensors; returns ``(verdict, rule, metric rows, failure message)``."""
     per_element = r.numel() <= scalar_numel
     values = M.compute(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
-                       scale_floor=tol.scale_floor)
+                       scale_floor=tol.scale_floor, atol=tol.atol)
     rows = []
     for metric in ("max_abs", "max_rel", "rmse", "rel_l2", "cosine", "tensor_sim", "frac_outside",
                    "noise_floor_ratio", "ref_error", "ulp_floor", "rmse_ratio", "ref_rmse", "scale_error",

@@ -43,7 +43,8 @@ def compressor_geometry(prefix: str, config: ModelConfig) -> tuple[int, int]:
         return config.compress_ratio, config.v_head_dim
     if prefix == INDEXER_PREFIX:
         if not config.has_indexer:
-            raise CaseError("config.compress_ratio", "only ratio-4 layers outside dense mode have an indexer compressor")
+            raise CaseError("config.compress_ratio",
+                            "only ratio-4 layers outside dense mode have an indexer compressor")
         return 4, config.dsa_indexer_head_dim
     raise CaseError("prefix", f"must be {ATTENTION_PREFIX!r} or {INDEXER_PREFIX!r}, got {prefix!r}")
 

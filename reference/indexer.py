@@ -129,7 +129,8 @@ def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, t
         score_rows.append(pad_columns(scores[0], width, float("-inf")))
         topk_rows.append(topk[0])
     k = config.dsa_indexer_topk
-    scores = thd.place_rows(score_rows, T, float("-inf"), like=hidden.new_empty((0, width), dtype=compute_dtype(hidden.dtype)))
+    score_row = hidden.new_empty((0, width), dtype=compute_dtype(hidden.dtype))
+    scores = thd.place_rows(score_rows, T, float("-inf"), like=score_row)
     topk = thd.place_rows(topk_rows, T, -1, like=torch.empty((0, k), dtype=torch.int64, device=hidden.device))
     return scores, topk
 

@@ -19,21 +19,21 @@ from .numerics import compute_dtype, row_chunks
 
 
 def window_indices(seq_len: int, window: int, device=None) -> torch.Tensor:
-    """``[S, W]`` local key ids of the sliding window: row ``i`` holds ``max(0, i-W+1) + [0, W)``, ``-1`` past ``i``."""
+    """``[S, W]`` local key ids of the sliding window: row ``i`` holds ``max(0, i-W+1) + [0, W)``; ``-1`` past i."""
     i = torch.arange(seq_len, device=device).unsqueeze(1)
     ids = torch.clamp(i - window + 1, min=0) + torch.arange(window, device=device)
     return torch.where(ids > i, -1, ids)
 
 
 def all_compressed_indices(seq_len: int, ratio: int, n_comp: int, device=None) -> torch.Tensor:
-    """``[S, n_comp]`` ids ``S + g`` of every visible entry (``g < floor((i+1)/r)``), ``-1`` elsewhere (r=128, dense)."""
+    """``[S, n_comp]`` ids ``S + g`` of every visible entry (``g < floor((i+1)/r)``), else ``-1`` (r=128, dense)."""
     i = torch.arange(seq_len, device=device).unsqueeze(1)
     g = torch.arange(n_comp, device=device)
     return torch.where(g < (i + 1) // ratio, seq_len + g, -1)
 
 
 def selected_compressed_indices(topk: torch.Tensor, seq_len: int, ratio: int, n_comp: int) -> torch.Tensor:
-    """``[B, S, K]`` kv_full ids ``S + g`` for selected local ids ``g``, re-applying the causal rule; ``-1`` elsewhere."""
+    """``[B, S, K]`` kv_full ids ``S + g`` of the selected local ids ``g`` that pass the causal rule, else ``-1``."""
     i = torch.arange(seq_len, device=topk.device).unsqueeze(1)
     visible = torch.clamp((i + 1) // ratio, max=n_comp)
     keep = (topk >= 0) & (topk < visible)

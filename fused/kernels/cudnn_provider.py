@@ -36,8 +36,8 @@ import torch
 
 from . import contracts
 from .base import KernelSet, Tensor, TupleDict
-from .device_support import (bind, cuda_unavailable_reason, device_major, dtype_reason, first_reason, into, pad_dim,
-                             placement_reason, round_up)
+from .device_support import (bind, cuda_unavailable_reason, device_major, dtype_reason, first_reason, into,
+                             on_device, pad_dim, placement_reason, round_up)
 
 BF16 = (torch.bfloat16,)
 HEAD_TILE = 64                    # sm90 query-head tile (backward, score recompute, indexer backward)
@@ -251,7 +251,7 @@ class CudnnKernels(KernelSet):
                        max_seqlen_k=int(max_seqlen_k))
         if q_causal_offsets is not None:
             thd["q_causal_offsets"] = q_causal_offsets
-        with torch.cuda.device(q.device):
+        with on_device(q):
             res = _dsa().indexer_forward_wrapper(q.contiguous(), k.contiguous(), w.contiguous(), ratio=ratio,
                                                  qhead_per_kv_head=qhead_per_kv_head, sm_scale=sm_scale, **thd)
         return TupleDict(scores=res["scores"])
@@ -259,7 +259,7 @@ class CudnnKernels(KernelSet):
     def indexer_top_k(self, input_values, seq_lens, top_k, next_n=1, return_val=True, num_copy_bits=256, stream=None,
                       tie_break=0, deterministic=False):
         contracts.check_indexer_top_k(input_values, seq_lens, top_k, next_n, tie_break)
-        with torch.cuda.device(input_values.device):
+        with on_device(input_values):
             res = _dsa().indexer_top_k_wrapper(input_values, seq_lens, top_k, next_n=next_n, return_val=return_val,
                                                num_copy_bits=num_copy_bits, stream=stream, tie_break=tie_break,
                                                deterministic=deterministic)
@@ -267,7 +267,7 @@ class CudnnKernels(KernelSet):
 
     def compactify(self, indices, stream=None):
         contracts.check_compactify(indices)
-        with torch.cuda.device(indices.device):
+        with on_device(indices):
             res = _dsa().compactify_wrapper(indices, stream=stream)
         return TupleDict(indices=res["indices"], topk_length=res["topk_length"])
 
@@ -283,7 +283,7 @@ class CudnnKernels(KernelSet):
             q, out, dout = (pad_dim(t, 1, padded) for t in (q, out, dout))
             lse, attn_sink = pad_dim(lse, 1, padded), pad_dim(attn_sink, 0, padded, float("-inf"))
         direct = padded == heads
-        with torch.cuda.device(q.device):
+        with on_device(q):
             res = _dsa().sparse_attention_backward_wrapper(
                 q, kv, out, dout, lse, attn_sink, topk_idxs, softmax_scale=softmax_scale, topk_length=topk_length,
                 dq=dq if direct else None, dkv=dkv, block_tile=block_tile, deterministic=deterministic, stream=stream,
@@ -301,7 +301,7 @@ class CudnnKernels(KernelSet):
         if padded != heads:  # LSE +inf: exp(q.k - inf) = 0 for every padded head
             q_attn, lse = pad_dim(q_attn, 2, padded), pad_dim(lse, 2, padded, float("inf"))
             qhead_per_kv_head = None if qhead_per_kv_head is None else padded
-        with torch.cuda.device(q_attn.device):
+        with on_device(q_attn):
             res = _dsa().sparse_attn_score_recompute_wrapper(
                 q_attn, k_attn, lse, topk_indices, softmax_scale, qhead_per_kv_head=qhead_per_kv_head,
                 topk_length=topk_length, topk_indices_global=topk_indices_global, out=out, stream=stream)
@@ -316,7 +316,7 @@ class CudnnKernels(KernelSet):
         if padded != heads:  # zero weights: relu(0) * 0 = 0
             q_indexer, weights = pad_dim(q_indexer, 2, padded), pad_dim(weights, 2, padded)
             qhead_per_kv_head = None if qhead_per_kv_head is None else padded
-        with torch.cuda.device(q_indexer.device):
+        with on_device(q_indexer):
             res = _dsa().sparse_indexer_score_recompute_wrapper(
                 q_indexer, k_indexer, weights, topk_indices, qhead_per_kv_head=qhead_per_kv_head,
                 topk_length=topk_length, topk_indices_global=topk_indices_global, out=out, stream=stream)
@@ -329,7 +329,7 @@ class CudnnKernels(KernelSet):
         if padded != heads:
             q, aux = pad_dim(q, -2, padded), pad_dim(aux, -1, padded, aux_fill)
             qhead_per_kv_head = None if qhead_per_kv_head is None else padded // kv_heads
-        with torch.cuda.device(q.device):
+        with on_device(q):
             res = getattr(_dsa(), wrapper)(q, k, aux, qhead_per_kv_head=qhead_per_kv_head, out=out,
                                            denom_out=denom_out, ratio=ratio, **thd, **extra)
         return TupleDict(out=res["out"], denom=res["denom"])
@@ -372,7 +372,7 @@ class CudnnKernels(KernelSet):
         predict = pad_dim(index_score, 2, padded_topk)
         ids = pad_dim(topk_indices, 2, padded_topk, -1)
         direct = padded_heads == heads
-        with torch.cuda.device(index_q.device):
+        with on_device(index_q):
             res = _dsa().indexer_backward_wrapper(
                 q, w, index_k, target, predict, ids, grad_loss, sm_scale=sm_scale, loss_coeff=loss_coeff,
                 block_I=block_I, topk_indices_global=topk_indices_global, d_index_q=d_index_q if direct else None,
@@ -397,7 +397,7 @@ class CudnnKernels(KernelSet):
         q, w = pad_dim(index_q, -2, padded), pad_dim(weights, -1, padded)  # zero weights: no score contribution
         direct = padded == heads
         thd = self._thd_kwargs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        with torch.cuda.device(index_q.device):
+        with on_device(index_q):
             res = _dsa().dense_indexer_backward_wrapper(
                 q, w, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale=sm_scale,
                 loss_coeff=loss_coeff, block_I=block_I, ratio=ratio, d_index_q=d_index_q if direct else None,

@@ -9,6 +9,7 @@ providers stay CUDA-graph capturable.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Callable, Optional
@@ -36,6 +37,12 @@ def cuda_unavailable_reason() -> Optional[str]:
 
 def device_major(t: Tensor) -> int:
     return torch.cuda.get_device_capability(t.device)[0]
+
+
+def on_device(t: Tensor):
+    """``torch.cuda.device(t.device)`` for a CUDA tensor (the wrappers pick their kernel from the current device),
+    a no-op context otherwise."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def placement_reason(*tensors: Optional[Tensor]) -> Optional[str]:

@@ -21,8 +21,8 @@ import torch
 
 from . import contracts
 from .base import KernelSet
-from .device_support import (bind, cuda_unavailable_reason, device_major, dtype_reason, first_reason, pad_dim,
-                             placement_reason, round_up)
+from .device_support import (bind, cuda_unavailable_reason, device_major, dtype_reason, first_reason, on_device,
+                             pad_dim, placement_reason, round_up)
 
 HEAD_DIMS_QK = (512, 576)
 HEAD_DIM_V = 512
@@ -112,7 +112,7 @@ class FlashMLAKernels(KernelSet):
                 attn_sink = pad_dim(attn_sink, 0, padded, float("-inf"))
         width = round_up(max(indices.shape[-1], 1), self.topk_alignment)
         indices = pad_dim(indices, 2, width, -1)
-        with torch.cuda.device(q.device):
+        with on_device(q):
             out, max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
                 q.contiguous(), kv.contiguous(), indices.contiguous(), sm_scale, d_v=d_v, attn_sink=attn_sink,
                 topk_length=topk_length, use_legacy=major == 9)

@@ -59,15 +59,22 @@ def test_noise_floor_ratio_tensor_wide_and_per_element():
     # the ULP floor scales with the largest element: 2 ulps of bf16 at 100 ≈ 1.56
     ratio, _ = M.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=2)
     assert ratio == pytest.approx(3e-3 / (2 * 2 ** -7 * 100))
-    # per element, the small element gets its own (small) ULP floor: a 3e-3 error on 1.0 is 0.4 bf16 ulp
-    ratio, _ = M.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=1, per_element=True)
+    # per element, each element gets its own ULP allowance: a 3e-3 error on 1.0 is 0.4 bf16 ulp
+    ratio, _ = M.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=0, per_element=True, scalar_ulps=1)
     assert ratio == pytest.approx(3e-3 / 2 ** -7)
+    # ... on top of the tensor-wide floor, so the per-element rule is never the stricter one
+    wide, _ = M.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=2)
+    both, _ = M.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=2, per_element=True, scalar_ulps=1)
+    assert both <= wide
 
 
-def test_noise_floor_ratio_zero_floor():
+def test_noise_floor_ratio_zero_floor_and_atol():
     r = t(0.0, 0.0)
     assert M.noise_floor_ratio(r, r, r, torch.float64, ulps=2)[0] == 0.0
     assert M.noise_floor_ratio(t(0.0, 1e-300), r, r, torch.float64, ulps=2)[0] == math.inf
+    # an all-zero reference: the atol absorbs underflow noise, not a real error
+    assert M.noise_floor_ratio(t(0.0, 4e-46), r, r, torch.float64, ulps=2, atol=1e-30)[0] < 1e-15
+    assert M.noise_floor_ratio(t(0.0, 1e-3), r, r, torch.float64, ulps=2, atol=1e-30)[0] > 1e20
 
 
 def test_compute_reports_every_metric():

@@ -1,4 +1,4 @@
-"""KV compressor (spec §2): gated per-channel softmax pooling, overlap at r=4, tail drop, norm, RoPE at g*r, Hadamard."""
+"""KV compressor (spec §2): gated per-channel softmax pooling, r=4 overlap, tail drop, norm, RoPE at g*r, Hadamard."""
 
 from __future__ import annotations
 
@@ -113,4 +113,4 @@ def test_gradcheck_compressor(ratio, rotate, length):
     fn = lambda x, wkv, wgate, ape, nw: compress_sequence(x, wkv, wgate, ape, nw, ratio=ratio, head_dim=d,
                                                           inv_freq=inv, eps=1e-6, rotate=rotate)
     assert torch.autograd.gradcheck(fn, (x, w["wkv"], w["wgate"], w["ape"], w["norm_weight"]),
-                                    fast_mode=True)
+                                    fast_mode=ratio == 128)

@@ -4,9 +4,8 @@ Each check wraps the implementation as a function of plain tensors. The attentio
 input and parameter; the indexer loss only against the indexer parameters, because its teacher is detached on
 purpose (spec §5.2: a finite difference through the backbone would move the teacher, autograd must not).
 Top-k selections are piecewise constant: the tiny shapes keep every score far from a tie at eps = 1e-6.
-Fast-mode gradcheck probes each input tensor along one random direction. To keep it cheap, the projection
-weights (which act on every row alike) travel as one flat vector; the inputs and every ``core_attention.*``
-parameter (whose effect can be confined to a few rows, e.g. one compressed entry) are probed one by one.
+Fast-mode gradcheck probes each input tensor along one random direction (the per-stage checks in the other files
+run the element-wise mode where it is cheap).
 """
 
 from __future__ import annotations
@@ -20,37 +19,20 @@ from reference import attention_layer, core_attention
 
 from .helpers import bshd, case_of, materialized, thd_layout, tiny_config
 
-LAYER_CASES = {"r0": (tiny_config(0), 7), "r4_sparse": (tiny_config(4), 13), "r4_dense": (tiny_config(4, sparse=False), 13),
-               "r4_dense_mode": (tiny_config(4, dense_mode=True), 13), "r128": (tiny_config(128), 130)}
+LAYER_CASES = {"r0": (tiny_config(0), 7), "r4_sparse": (tiny_config(4), 13),
+               "r4_dense": (tiny_config(4, sparse=False), 13), "r4_dense_mode": (tiny_config(4, dense_mode=True), 13),
+               "r128": (tiny_config(128), 130)}
 
 
-def core_names(leaves) -> tuple:
-    return tuple(n for n in leaves if not n.startswith("linear_") and "layernorm" not in n)
-
-
-def functional(fn, leaves, fixed, select, separate=None):
-    """``fn(**tensors)`` as a function of plain float64 inputs for gradcheck: the tensors named in ``separate``
-    one by one, then every other tensor of ``leaves`` flattened into one vector; ``fixed`` tensors are constants.
-
-    Returns ``(function, inputs)``. Default ``separate``: the inputs and the ``core_attention.*`` parameters.
-    """
-    separate = core_names(leaves) if separate is None else separate
-    alone = [n for n in separate if n in leaves]
-    packed = [n for n in leaves if n not in alone]
-    shapes = [leaves[n].shape for n in packed]
+def functional(fn, leaves, fixed, select):
+    """``fn(**fixed, **leaves)`` as a function of the tensors of ``leaves`` (positional) for gradcheck, which
+    probes each of them separately. Returns ``(function, inputs)``."""
+    names = list(leaves)
 
     def wrapped(*values):
-        tensors = dict(zip(alone, values))
-        if packed:
-            flat = values[len(alone)]
-            for name, piece, shape in zip(packed, flat.split([s.numel() for s in shapes]), shapes):
-                tensors[name] = piece.view(shape)
-        return select(fn(**fixed, **tensors))
+        return select(fn(**fixed, **dict(zip(names, values))))
 
-    inputs = tuple(leaves[n] for n in alone)
-    if packed:
-        inputs += (torch.cat([leaves[n].detach().reshape(-1) for n in packed]).requires_grad_(True),)
-    return wrapped, inputs
+    return wrapped, tuple(leaves[n] for n in names)
 
 
 def layer_fn(config, psp=None):
@@ -73,8 +55,7 @@ def test_gradcheck_layer_indexer_loss_wrt_indexer_parameters(name):
     t = materialized(case_of(config, bshd(2, seq)))
     trained = [n for n in t.params if n.startswith("core_attention.indexer.")]
     fixed = {"hidden": t.inputs["hidden"].detach(), **{n: p.detach() for n, p in t.params.items() if n not in trained}}
-    fn, inputs = functional(layer_fn(config), {n: t.params[n] for n in trained}, fixed, lambda r: r.indexer_loss,
-                            separate=trained)
+    fn, inputs = functional(layer_fn(config), {n: t.params[n] for n in trained}, fixed, lambda r: r.indexer_loss)
     assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
 
 
@@ -113,7 +94,7 @@ def test_gradcheck_negative_control_detects_a_planted_stop_gradient(monkeypatch)
     t = materialized(case_of(config, bshd(1, seq)))
     probe = "core_attention.compressor.norm.weight"
     fixed = {"hidden": t.inputs["hidden"].detach(), **{n: p.detach() for n, p in t.params.items() if n != probe}}
-    fn, inputs = functional(layer_fn(config), {probe: t.params[probe]}, fixed, lambda r: r.out, separate=(probe,))
+    fn, inputs = functional(layer_fn(config), {probe: t.params[probe]}, fixed, lambda r: r.out)
     assert not torch.autograd.gradcheck(fn, inputs, fast_mode=True, raise_exception=False)
     monkeypatch.setattr(core_module, "compress_with_params", original)  # control of the control: passes unplanted
     assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)

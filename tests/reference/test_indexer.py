@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from reference import indexer
@@ -10,7 +9,7 @@ from reference.hadamard import hadamard_matrix
 from reference.indexer import index_scores, select_topk
 from reference.rope import layer_inv_freq
 
-from .helpers import case_of, materialized, thd_layout, tiny_config, bshd
+from .helpers import bshd, case_of, materialized, thd_layout, tiny_config
 from .test_compressor import oracle as compressor_oracle
 from .test_rope_norm_hadamard import complex_rope_oracle
 

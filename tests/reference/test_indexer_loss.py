@@ -140,4 +140,4 @@ def test_gradcheck_loss_wrt_indexer_scores(sparse):
     base = scores.masked_fill(~finite, 0.0).requires_grad_(True)
     fn = lambda s: indexer_kl_rows(s.masked_fill(~finite, float("-inf")), topk if sparse else None, q, kv, comp,
                                    sink, config)
-    assert torch.autograd.gradcheck(fn, (base,), fast_mode=True)
+    assert torch.autograd.gradcheck(fn, (base,))

@@ -89,10 +89,11 @@ def test_negative_control_poisoned_real_row_is_detected(name, monkeypatch):
     clean, tensors = run(case, 1.0, monkeypatch)
     poisoned, _ = run(case, POISON, monkeypatch)
     bad_case_tensors = materialized(case, padding_scale=POISON)
-    assert bool(tensors.real_rows[5]) and not bool(tensors.real_rows[6])
-    with torch.no_grad():  # the same poison, but also on one real row (the last real token of segment 0)
+    row = case.layout.cu_seqlens[1] - 1  # the last real token of segment 0, followed by padding
+    assert bool(tensors.real_rows[row]) and not bool(tensors.real_rows[row + 1])
+    with torch.no_grad():  # the same poison, but also on that real row
         for v in bad_case_tensors.inputs.values():
-            v[5] *= 3.0
+            v[row] *= 3.0
     with monkeypatch.context() as m:
         m.setattr(thd, "capacity_fill", huge_capacity_fill)
         poisoned_real = run_with_grads(core_attention, case, bad_case_tensors)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases.layout import BshdLayout
 from reference import attention_layer, core_attention
 
 from .helpers import case_of, materialized, run_with_grads, thd_layout, tiny_config
@@ -39,7 +38,8 @@ def per_segment_reference(case, tensors, lengths, *, positions_reset=True):
         rows = slice(bounds[b], bounds[b + 1])
         inputs = {n: v.detach()[rows].unsqueeze(0).clone().requires_grad_(True) for n, v in tensors.inputs.items()}
         params = {n: v.detach().clone().requires_grad_(True) for n, v in tensors.params.items()}
-        args = [inputs["hidden"]] if case.scope == "layer" else [inputs[k] for k in ("query", "kv", "hidden", "q_latent")]
+        names = ("hidden",) if case.scope == "layer" else ("query", "kv", "hidden", "q_latent")
+        args = [inputs[k] for k in names]
         res = impl(*args, params, config)
         weight = 1.0 if config.calculate_per_token_loss else L / total_real
         objective = (res.out * tensors.grad_output[rows].unsqueeze(0)).sum()
@@ -109,11 +109,8 @@ def test_negative_control_positions_not_reset_per_segment(name):
 
 def test_single_segment_thd_equals_bshd_b1_bitwise_in_output():
     config = CONFIGS["r4_sparse"]
-    thd_case = case_of(config, thd_layout([23]))
-    bshd_case = case_of(config, BshdLayout(1, 23))
-    t = materialized(thd_case)
+    t = materialized(case_of(config, thd_layout([23])))
     a = attention_layer(t.inputs["hidden"], t.params, config, t.packed_seq_params)
     b = attention_layer(t.inputs["hidden"].unsqueeze(0), t.params, config)
     assert torch.equal(a.out, b.out[0]) and torch.equal(a.topk_indices, b.topk_indices[0])
     assert float(a.indexer_loss.detach()) == float(b.indexer_loss.detach())
-    assert bshd_case.layout.num_tokens == thd_case.layout.num_tokens

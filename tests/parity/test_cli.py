@@ -1,0 +1,163 @@
+"""``dsv4-parity`` end to end: run, exit codes, resume, output directories, isolation, plug-ins."""
+
+import json
+import os
+
+import pytest
+
+from parity.cli import build_parser, main
+from parity.runner import resolve_out_dir
+from tests.parity.helpers import pick
+
+
+def rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "results.jsonl").read_text().splitlines()]
+
+
+def ids(*cases):
+    return [arg for c in cases for arg in ("--case-id", c.id)]
+
+
+def test_a_handful_of_smoke_cases_pass_end_to_end(tmp_path, capsys):
+    cases = [pick(dtype="float64", layout="bshd", ratio="128"), pick(dtype="float32", layout="thd", ratio="0"),
+             pick(dtype="bfloat16", layout="thd", loss="sparse"), pick(dtype="float32", scope="core", loss="sparse")]
+    out = tmp_path / "run"
+    code = main(["run", "--suite", "smoke", *ids(*cases), "--out", str(out), "--quiet",
+                 "--junit", str(tmp_path / "junit.xml")])
+    stdout = capsys.readouterr().out
+    assert "4 cases: 4 passed, 0 failed, 0 errors, 0 unsupported" in stdout, stdout
+    assert code == 0
+    got = rows(out)
+    assert got[0]["type"] == "run" and got[-1]["type"] == "end"
+    assert got[-1]["counts"] == {"pass": 4, "fail": 0, "error": 0, "unsupported": 0}
+    env = got[0]["env"]
+    assert {"python", "torch", "cuda", "cudnn", "cudnn_frontend", "flash_mla", "gpu", "driver", "git_rev",
+            "host"} <= set(env)
+    assert got[0]["impl"] == "fused" and got[0]["against"] == "reference"
+    case_rows = [r for r in got if r["type"] == "case"]
+    assert [r["case_id"] for r in case_rows] == [c.id for c in cases]
+    assert all(r["plan"] for r in case_rows)  # fused recorded which provider ran each stage
+    assert (tmp_path / "junit.xml").exists()
+
+
+def test_a_failing_case_exits_1_with_a_repro(tmp_path, capsys):
+    case = pick(dtype="bfloat16", layout="bshd", scope="layer")
+    code = main(["run", "--suite", "smoke", *ids(case), "--impl", "tests.parity.fakes:fused_bias",
+                 "--out", str(tmp_path / "r"), "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 1 and "1 cases: 0 passed, 1 failed" in out
+    row = next(r for r in rows(tmp_path / "r") if r["type"] == "case")
+    assert row["outcome"] == "fail" and row["first_failure"]["tensor"]
+    assert row["repro"].startswith("dsv4-parity run --case ") and "--impl tests.parity.fakes:fused_bias" in row["repro"]
+
+
+def test_an_error_exits_1(tmp_path, capsys):
+    case = pick(dtype="float32", layout="bshd", ratio="0")
+    code = main(["run", "--case", case.to_json(), "--impl", "tests.parity.fakes:fused_raises",
+                 "--out", str(tmp_path / "r"), "--quiet"])
+    assert code == 1 and "1 errors" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--case", '{"config": {}, "layout": {"kind": "bshd", "batch": 1, "seq_len": 4}}'], "config.hidden_size"),
+    (["--case", '{"config": 1, "layout": 2, "bogus": 3}'], "bogus"),
+    (["--case", "{not json"], "case"),
+    (["--suite", "nosuch"], "suite"),
+    (["--suite", "smoke", "--case-id", "zzzzzz"], "case_id"),
+])
+def test_bad_case_input_is_one_line_naming_the_field(argv, field, tmp_path, capsys):
+    code = main(["run", *argv, "--out", str(tmp_path / "r"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {field}:"), err
+
+
+def test_unknown_implementation_or_provider_is_a_usage_error(tmp_path, capsys):
+    assert main(["run", "--impl", "no.such.module", "--out", str(tmp_path / "r")]) == 2
+    assert "cannot import implementation" in capsys.readouterr().err
+    assert main(["run", "--impl", "reference", "--against", "parity", "--out", str(tmp_path / "r")]) == 2
+    assert "lacks attention_layer" in capsys.readouterr().err
+
+
+def test_resume_runs_only_the_unfinished_cases(tmp_path, capsys):
+    a = pick(dtype="float32", layout="bshd", ratio="0")
+    b = pick(dtype="float64", layout="bshd", ratio="0")
+    out = tmp_path / "r"
+    assert main(["run", "--suite", "smoke", *ids(a), "--impl", "reference", "--out", str(out), "--quiet"]) == 0
+    with open(out / "results.jsonl", "a") as fh:  # as if killed while writing the next case
+        fh.write('{"type":"case","case_id":"')
+    capsys.readouterr()
+    assert main(["run", "--suite", "smoke", *ids(a, b), "--impl", "reference", "--out", str(out), "--resume",
+                 "--quiet"]) == 0
+    got = rows(out)
+    assert [r["case_id"] for r in got if r["type"] == "case"] == [a.id, b.id]
+    assert [r["type"] for r in got].count("run") == 1 and got[-1]["type"] == "end"
+    assert "2 cases: 2 passed" in capsys.readouterr().out
+
+
+def test_out_directory_rules(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    latest = os.path.join("reports", "out", "latest")
+    d, link = resolve_out_dir(None, "R1", False, False)
+    assert str(d) == os.path.join("reports", "out", "R1") and link is None
+    d, link = resolve_out_dir(None, "R1", True, False)
+    assert str(d) == os.path.join("reports", "out", "R1") and str(link) == latest
+    d, link = resolve_out_dir(latest, "R2", True, False)  # the Makefile: --out reports/out/latest --make-default
+    assert str(d) == os.path.join("reports", "out", "R2") and str(link) == latest
+    d, link = resolve_out_dir("elsewhere", "R3", True, False)
+    assert str(d) == "elsewhere" and str(link) == latest
+
+
+def test_make_default_moves_the_latest_link_and_resume_follows_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    case = pick(dtype="float64", layout="bshd", ratio="0")
+    args = ["run", "--suite", "smoke", *ids(case), "--impl", "reference", "--quiet", "--out", "reports/out/latest",
+            "--make-default"]
+    assert main(args) == 0
+    link = tmp_path / "reports/out/latest"
+    first = link.resolve()
+    assert link.is_symlink() and (first / "results.jsonl").exists()
+    assert f"report:  dsv4-parity report reports/out/latest" in capsys.readouterr().out
+    monkeypatch.setattr("parity.runner.new_run_id", lambda *a: "second-run")
+    assert main(args) == 0
+    assert link.resolve() == tmp_path / "reports/out/second-run" != first
+    assert main(args + ["--resume"]) == 0  # continues in the directory the link points at
+    assert link.resolve() == tmp_path / "reports/out/second-run"
+    assert len([r for r in rows(link) if r["type"] == "case"]) == 1
+
+
+def test_worker_isolation_turns_a_crash_into_one_error(tmp_path, capsys):
+    crash = pick(dtype="float32", layout="bshd", ratio="0")
+    code = main(["run", "--case", crash.to_json(), "--impl", "tests.parity.fakes:fused_crashes", "--isolate", "case",
+                 "--out", str(tmp_path / "r"), "--quiet"])
+    assert code == 1
+    row = next(r for r in rows(tmp_path / "r") if r["type"] == "case")
+    assert row["outcome"] == "error" and "worker crashed (exit code 3)" in row["message"]
+    # the same worker machinery runs a healthy case to a pass
+    code = main(["run", "--case", crash.to_json(), "--impl", "reference", "--isolate", "worker",
+                 "--out", str(tmp_path / "ok"), "--quiet"])
+    assert code == 0, capsys.readouterr()
+
+
+def test_help_and_plugins():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert {"run", "metamorphic", "calibrate"} <= set(sub.choices)
+    if "shrink" in sub.choices:  # cases.commands is present: shrink gets the parity options
+        assert "--impl" in sub.choices["shrink"].format_help()
+    text = sub.choices["run"].format_help()
+    for word in ("--suite", "--resume", "--require", "--junit", "--make-default", "unsupported", "--oracle"):
+        assert word in text
+
+
+def test_shrink_uses_the_parity_predicate(tmp_path, capsys):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    if "shrink" not in sub.choices:
+        pytest.skip("cases.commands not present")
+    case = pick(dtype="bfloat16", layout="bshd", scope="layer")
+    code = main(["shrink", "--case", case.to_json(), "--impl", "tests.parity.fakes:fused_bias", "--max-calls", "2"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "dsv4-parity run --case" in captured.out
+    assert "original case" in captured.err and "fail (aggregate)" in captured.err

@@ -1,0 +1,71 @@
+"""The reference on CUDA: the same numbers as on the CPU (float64), and the low-precision policy on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cases.tensors import materialize
+from reference import attention_layer
+
+from .helpers import GOLDEN_PATH, case_of, run_with_grads, thd_layout, tiny_config
+from .test_golden import golden_errors, golden_selection, golden_config
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def max_abs(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def to_cuda(case):
+    return {**case, "params": {k: v.cuda() for k, v in case["params"].items()}, "x": case["x"].cuda(),
+            "dO": case["dO"].cuda()}
+
+
+@pytest.mark.parametrize("name", ["window_r0", "csa_r4_sparse_mean", "csa_r4_dense_mean", "hca_r128"])
+def test_golden_on_cuda(name):
+    if not GOLDEN_PATH.exists():
+        pytest.skip(f"golden file not found at {GOLDEN_PATH}")
+    case = torch.load(GOLDEN_PATH, weights_only=True)["cases"][name]
+    selection = golden_selection(case)
+    gpu = to_cuda(case)
+    config = golden_config(case)
+    params = {k: v.clone().requires_grad_(True) for k, v in gpu["params"].items()}
+    x = gpu["x"].transpose(0, 1).contiguous().requires_grad_(True)
+    res = attention_layer(x, params, config, topk_indices=None if selection is None else selection[0].cuda())
+    res.objective(gpu["dO"].transpose(0, 1)).backward()
+    grads = {"x": x.grad.transpose(0, 1).cpu(), **{k: p.grad.cpu() for k, p in params.items()}}
+    res.out, res.indexer_loss = res.out.cpu(), None if res.indexer_loss is None else res.indexer_loss.cpu()
+    errs = golden_errors(case, res, grads)
+    assert max(errs.values()) <= 1e-10, errs
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_thd_padded_cuda_equals_cpu(ratio):
+    config = tiny_config(ratio)
+    layout = thd_layout([6, 0, 131, 3], [8, 0, 136, 4], slack=2, capacity=None)
+    case = case_of(config, layout)
+    cpu = run_with_grads(attention_layer, case, materialize(case, "cpu"))
+    gpu = run_with_grads(attention_layer, case, materialize(case, "cuda"))
+    for key, value in cpu.items():
+        other = gpu[key].cpu()
+        if value.is_floating_point():
+            finite = torch.isfinite(value)
+            assert torch.equal(finite, torch.isfinite(other)), key
+            assert max_abs(value[finite] - other[finite]) <= 1e-12 * max(1.0, max_abs(value[finite])), key
+        else:
+            assert torch.equal(value, other), key
+
+
+def test_bfloat16_on_cuda_follows_the_precision_policy():
+    config = tiny_config(4, sparse=False)
+    layout = thd_layout([40, 9])
+    low = materialize(case_of(config, layout, dtype="bfloat16"), "cuda")
+    ref = materialize(case_of(config, layout), "cpu")
+    with torch.no_grad():
+        a = attention_layer(low.inputs["hidden"], low.params, config, low.packed_seq_params)
+        b = attention_layer(ref.inputs["hidden"], ref.params, config, ref.packed_seq_params)
+    assert a.out.dtype == torch.bfloat16 and a.lse.dtype == a.indexer_loss.dtype == torch.float32
+    assert float((a.out.double().cpu() - b.out).abs().max()) <= 6e-2 * float(b.out.abs().max())
