@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -53,10 +53,10 @@ import torch
 
 from cases.errors import CaseError
 
-from .bench_flops import H200_BF16_PEAK_TFLOPS, tflops
+from .bench_flops import H200_BF16_PEAK_TFLOPS, kernel_flops, tflops
 from .bench_measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_memory, is_oom, synchronize,
                             time_call)
-from .bench_workloads import (LAYOUTS, LOSSES, StageCall, Workload, forward_backward,
+from .bench_workloads import (LAYOUTS, LOSSES, StageCall, Workload, clear_caches, forward_backward,
                               fused_compressor_stage, make_tensors, reference_stages, tensor_bytes)
 
 SCHEMA = "dsv4-parity-bench/1"
@@ -65,10 +65,10 @@ SECTIONS = ("e2e", "stages", "scaling", "harness")
 SECTION_SHARE = {"e2e": 0.45, "stages": 0.35, "scaling": 0.45, "harness": 1.0}
 
 DEFAULTS = {
-    "cpu": {"profiles": ("tiny",), "tokens": (256, 512, 1024), "segment_len": 256, "dtype": "float32",
-            "budget_s": 55.0, "harness_suite": "smoke", "harness_limit": 6, "ref_max_tokens": None},
+    "cpu": {"profiles": ("tiny",), "tokens": (256, 512, 1024, 2048), "segment_len": 256, "dtype": "float32",
+            "budget_s": 55.0, "harness_suite": "smoke", "harness_limit": 0, "ref_max_tokens": None},
     "cuda": {"profiles": ("kernel", "flash", "pro"), "tokens": (4096, 8192, 16384, 32768, 65536),
-             "segment_len": 4096, "dtype": "bfloat16", "budget_s": 480.0, "harness_suite": "gate",
+             "segment_len": 4096, "dtype": "bfloat16", "budget_s": 300.0, "harness_suite": "gate",
              "harness_limit": 24, "ref_max_tokens": 32768},
 }
 
@@ -139,6 +139,7 @@ class Settings:
     harness_limit: int = 6
     harness_report: bool = True
     peak_tflops: Optional[float] = None
+    threads: Optional[int] = None
     quiet: bool = False
 
     def to_dict(self) -> dict:
@@ -185,6 +186,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         harness_report=not args.no_harness_report,
         peak_tflops=args.peak_tflops if args.peak_tflops is not None else (
             H200_BF16_PEAK_TFLOPS if device == "cuda" else None),
+        threads=args.threads if args.threads is not None else (1 if device == "cpu" else None),
         quiet=args.quiet)
 
 
@@ -192,7 +194,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
 def machine() -> dict:
     """The host: cores, memory, load average (numbers from a shared machine are noisy)."""
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
     try:
         info["cpus_allowed"] = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -298,13 +301,15 @@ class Bench:
         else:
             self._measure_e2e(work, impl_name, row, deadline)
         self.e2e_cache[key] = row
-        self.log(f"e2e {work.profile} T={work.tokens} {work.layout} {work.scope} {impl_name}: {row['status']} "
+        self.log(f"e2e {work.profile} T={work.tokens} {work.layout} {work.scope} {work.effective_loss} loss "
+                 f"{impl_name}: {row['status']} "
                  f"{row['time']['median_ms']} ms {row['message']}")
         return row
 
     def _measure_e2e(self, work: Workload, impl_name: str, row: dict, deadline: Optional[float]) -> None:
         s, device = self.s, self.s.device
         tensors = step = None
+        failed = False
         try:
             impl = self._impl(impl_name)
             provider = impl.resolve_provider(s.provider)
@@ -334,10 +339,12 @@ class Bench:
                 row["peak_mem_bytes"] = peak
         except Exception as exc:  # noqa: BLE001 — an OOM or a failing implementation is a row, not a crash
             row.update(status=_status_of(exc), message=_one_line(exc))
-            return
-        finally:
+            failed = True
+        finally:  # after the except clause: its traceback (and the tensors it holds) is released by then
             del tensors, step
-            free_memory(device)
+            free_memory(device, collect=failed)
+        if failed:
+            return
         row["time"] = timing.to_dict()
         seconds = timing.median
         row["tflops"] = tflops(work.flops, seconds)
@@ -402,6 +409,7 @@ class Bench:
             holder["state"] = None  # drop the previous graph before building the next
             holder["state"] = stage.prepare()
 
+        failed = False
         try:
             if stage.prepare is not None:
                 before()
@@ -416,10 +424,12 @@ class Bench:
                                before=before if stage.prepare is not None else None)
         except Exception as exc:  # noqa: BLE001
             out.update(status=_status_of(exc), message=_one_line(exc))
-            return out
+            failed = True
         finally:
             holder.clear()
-            free_memory(device)
+            free_memory(device, collect=failed)
+        if failed:
+            return out
         out["time_ms"] = round(timing.median * 1e3, 4)
         out["tflops"] = tflops(stage.flops, timing.median)
         return out
@@ -438,22 +448,26 @@ class Bench:
                 ref_stages = {st.name: st for st in reference_stages(work, self.s.device)}
             except Exception as exc:  # noqa: BLE001
                 ref_status = _one_line(exc)
-        kernels = {k["stage"]: k for k in fused_row.get("kernels", [])}
-        flops = {}
-        from .bench_flops import kernel_flops
-
+        kernels: dict[str, list] = {}
+        for k in fused_row.get("kernels", []):
+            kernels.setdefault(k["stage"], []).append(k)
         flops = kernel_flops(work.config, work.counts, loss=work.effective_loss)
         rows = []
         for group, fused_stages, ref_name in STAGE_GROUPS:
             fused = {"status": fused_row["status"], "message": fused_row["message"], "time_ms": None,
                      "tflops": None, "peak_mem_bytes": None, "kernels": []}
             if group == "compressor":
-                stage = fused_compressor_stage(work, self.s.device)
-                if stage is None:
-                    continue
-                fused.update(self._time_stage(stage, deadline))
+                try:
+                    stage = fused_compressor_stage(work, self.s.device)
+                except Exception as exc:  # noqa: BLE001
+                    stage = None
+                    fused.update(status=_status_of(exc), message=_one_line(exc))
+                if stage is not None:
+                    fused.update(self._time_stage(stage, deadline))
+                elif fused["status"] == "ok":
+                    continue  # no compressor in this layer
             else:
-                ran = [kernels[k] for k in fused_stages if k in kernels]
+                ran = [k for name in fused_stages for k in kernels.get(name, [])]
                 if fused_row["status"] == "ok" and ran:
                     t = sum(k["time_ms"] for k in ran)
                     fused.update(time_ms=round(t, 4), kernels=ran,
@@ -515,6 +529,7 @@ class Bench:
 
     def _function_point(self, build: Callable, work: Workload) -> dict:
         device = self.s.device
+        failed = False
         try:
             run, output_bytes = build(work, device)
             t0 = time.perf_counter()
@@ -522,12 +537,14 @@ class Bench:
                 result = run()
             seconds = time.perf_counter() - t0
             del result
-            return {"status": "ok", "message": "", "time_ms": round(seconds * 1e3, 4),
-                    "peak_mem_bytes": meter.peak, "retained_bytes": meter.retained, "output_bytes": output_bytes}
+            point = {"status": "ok", "message": "", "time_ms": round(seconds * 1e3, 4),
+                     "peak_mem_bytes": meter.peak, "retained_bytes": meter.retained, "output_bytes": output_bytes}
         except Exception as exc:  # noqa: BLE001
-            return {"status": _status_of(exc), "message": _one_line(exc)}
+            point = {"status": _status_of(exc), "message": _one_line(exc)}
+            failed = True
         finally:
-            free_memory(device)
+            free_memory(device, collect=failed)
+        return point
 
     # ---- harness
     def run_harness(self) -> None:
@@ -715,8 +732,8 @@ def engine_phases(clock: PhaseClock, impl_api: Any):
     """Time the engine's phases in this process (restored on exit): ``materialize``; ``<role> forward`` /
     ``<role> backward`` (role ``impl``, ``truth`` = float64 reference, ``noise`` = same-dtype reference);
     ``snapshot`` (leaf copies and mutation checks around them); ``compare`` (structure rules, metrics, verdict);
-    ``write`` (results rows)."""
-    from . import engine, results, snapshot, structure, verdict
+    ``rows`` (building the result rows), ``write`` (writing them), ``environment`` (the run row's versions)."""
+    from . import engine, environment, results, snapshot, structure, verdict
 
     real_run, real_call, real_grad = engine.run, snapshot._call, torch.autograd.grad
 
@@ -754,6 +771,9 @@ def engine_phases(clock: PhaseClock, impl_api: Any):
         stack.enter_context(_patched(verdict, "case_decision", clock.timed("compare", verdict.case_decision)))
         stack.enter_context(_patched(results.ResultsWriter, "write",
                                      clock.timed("write", results.ResultsWriter.write)))
+        stack.enter_context(_patched(results.CaseResult, "rows", clock.timed("rows", results.CaseResult.rows)))
+        stack.enter_context(_patched(environment, "environment",
+                                     clock.timed("environment", environment.environment)))
         yield
     impl_parts = sum(v for k, v in clock.seconds.items() if k.endswith(" forward") or k.endswith(" backward"))
     clock.seconds["snapshot"] = max(clock.seconds.get("snapshot", 0.0) - impl_parts, 0.0)
@@ -796,7 +816,7 @@ def harness_throughput(s: Settings, log: Callable[[str], None]) -> dict:
     phases = {k: round(v, 4) for k, v in sorted(clock.seconds.items())}
     run_phases = {k: v for k, v in clock.seconds.items() if k != "load suite"}
     implementation = sum(v for k, v in run_phases.items() if k.endswith(" forward") or k.endswith(" backward"))
-    phases["other (runner, rows, progress)"] = round(max(total - sum(run_phases.values()), 0.0), 4)
+    phases["other (runner loop, case JSON, progress)"] = round(max(total - sum(run_phases.values()), 0.0), 4)
     per_case = total / max(len(cases), 1)
     out = {"suite": s.harness_suite, "status": "ok", "cases": len(cases), "suite_cases": len(suite),
            "isolation": "none (in-process)", "total_s": round(total, 3), "cases_per_min": 60.0 * len(cases) / total,
@@ -897,9 +917,80 @@ def pro_pack_probe(bench: Bench, deadline: Optional[float]) -> Optional[dict]:
     work = Workload("pro", 32768, layout="pack", segment_len=bench.s.segment_len, ratio=4, loss="sparse",
                     dtype="bfloat16", scope="layer")
     row = bench.e2e(work, "reference", deadline)
+    bench.report["e2e"].append(row)
     return {"status": row["status"], "message": row["message"], "dtype": "bfloat16",
             "peak_mem_bytes": row["peak_mem_bytes"], "inputs_bytes": row["inputs_bytes"],
             "time_ms": row["time"]["median_ms"]}
+
+
+# ---- schema -------------------------------------------------------------------------------------------------------------
+STATUSES = {"ok", "oom", "error", "unsupported", "skipped", "absent"}
+_E2E_FIELDS = {"profile": str, "tokens": int, "layout": str, "scope": str, "impl": str, "status": str,
+               "message": str, "time": dict, "flops": (int, float), "tflops": (int, float, type(None)),
+               "peak_fraction": (int, float, type(None)), "peak_mem_bytes": (int, type(None)),
+               "inputs_bytes": (int, type(None))}
+_STAGE_SIDE = {"status": str, "time_ms": (int, float, type(None)), "tflops": (int, float, type(None)),
+               "peak_mem_bytes": (int, type(None))}
+_TARGET_STATUSES = {"met", "missed", "not measured"}
+
+
+def check_schema(report: Any) -> list[str]:
+    """Problems with a bench JSON document (empty list: it follows ``dsv4-parity-bench/1``)."""
+    problems: list[str] = []
+
+    def need(obj: Any, fields: dict, where: str) -> None:
+        if not isinstance(obj, dict):
+            problems.append(f"{where}: not an object")
+            return
+        for name, kind in fields.items():
+            if name not in obj:
+                problems.append(f"{where}.{name}: missing")
+            elif not isinstance(obj[name], kind) or isinstance(obj[name], bool):
+                problems.append(f"{where}.{name}: {type(obj[name]).__name__} is not {kind}")
+        if isinstance(obj.get("status"), str) and obj["status"] not in STATUSES | _TARGET_STATUSES:
+            problems.append(f"{where}.status: unknown status {obj['status']!r}")
+
+    need(report, {"schema": str, "created": str, "settings": dict, "env": dict, "machine": dict, "e2e": list,
+                  "stages": list, "scaling": dict, "targets": list, "findings": list, "skipped": list}, "report")
+    if problems:
+        return problems
+    if report["schema"] != SCHEMA:
+        problems.append(f"report.schema: {report['schema']!r} is not {SCHEMA!r}")
+    for i, row in enumerate(report["e2e"]):
+        need(row, _E2E_FIELDS, f"e2e[{i}]")
+        if isinstance(row, dict) and isinstance(row.get("time"), dict):
+            need(row["time"], {"median_ms": (int, float, type(None)), "repeats": int}, f"e2e[{i}].time")
+            if row.get("status") == "ok" and row["time"].get("median_ms") is None:
+                problems.append(f"e2e[{i}]: status ok without a time")
+    for i, row in enumerate(report["stages"]):
+        need(row, {"profile": str, "tokens": int, "group": str, "fused": dict, "reference": dict}, f"stages[{i}]")
+        for side in ("fused", "reference"):
+            if isinstance(row, dict) and isinstance(row.get(side), dict):
+                need(row[side], {"status": str}, f"stages[{i}].{side}")
+                if row[side].get("status") == "ok":
+                    need(row[side], _STAGE_SIDE, f"stages[{i}].{side}")
+    need(report["scaling"], {"series": list, "fits": list}, "scaling")
+    for i, s in enumerate(report["scaling"].get("series", [])):
+        need(s, {"name": str, "impl": str, "kind": str, "points": list}, f"scaling.series[{i}]")
+        for j, p in enumerate(s.get("points", []) if isinstance(s, dict) else []):
+            need(p, {"tokens": int, "status": str}, f"scaling.series[{i}].points[{j}]")
+    for i, f in enumerate(report["scaling"].get("fits", [])):
+        need(f, {"series": str, "metric": str, "slope": (int, float, type(None)), "verdict": str},
+             f"scaling.fits[{i}]")
+    h = report.get("harness")
+    if h is not None:
+        need(h, {"suite": str, "status": str}, "harness")
+        if isinstance(h, dict) and h.get("status") == "ok":
+            need(h, {"cases": int, "suite_cases": int, "total_s": (int, float), "cases_per_min": (int, float),
+                     "phases": dict, "overhead_share": (int, float), "suite_estimate_s": (int, float),
+                     "counts": dict}, "harness")
+    for i, t in enumerate(report["targets"]):
+        need(t, {"name": str, "target": str, "status": str, "note": str}, f"targets[{i}]")
+        if isinstance(t, dict) and t.get("status") not in _TARGET_STATUSES:
+            problems.append(f"targets[{i}].status: {t.get('status')!r}")
+    for i, f in enumerate(report["findings"]):
+        need(f, {"kind": str, "message": str}, f"findings[{i}]")
+    return problems
 
 
 # ---- output ------------------------------------------------------------------------------------------------------------
@@ -1021,6 +1112,11 @@ def write_plot(report: dict, path: Path) -> Optional[Path]:
         if pts:
             axes[2].plot([r["tokens"] for r in pts], [r["time"]["median_ms"] for r in pts],
                          "o-" if impl == "fused" else "s--", label=f"{impl} {profile} {scope}")
+    for ax in axes:  # a dotted "∝ T" guide through the first point of the first line
+        lines = ax.get_lines()
+        if lines and len(lines[0].get_xdata()) > 1:
+            xs, ys = list(lines[0].get_xdata()), list(lines[0].get_ydata())
+            ax.plot([xs[0], xs[-1]], [ys[0], ys[0] * xs[-1] / xs[0]], ":", color="gray", label="∝ T")
     titles = ("reference fwd+bwd time vs T", "memory vs T (MiB)", "end to end fwd+bwd time vs T")
     for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
@@ -1053,9 +1149,18 @@ def _jsonable(x: Any) -> Any:
 # ---- command ------------------------------------------------------------------------------------------------------------
 def run_bench(settings: Settings, argv: Sequence[str] = (), log: Optional[Callable[[str], None]] = None) -> dict:
     """Measure every selected section; returns the report (the JSON document)."""
+    threads = torch.get_num_threads()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    try:
+        return _run_sections(settings, argv, log or (lambda _msg: None))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], None]) -> dict:
     start = time.perf_counter()
     report = empty_report(settings, argv)
-    log = log or (lambda _msg: None)
     bench = Bench(settings, report, log)
     if "e2e" in settings.sections:
         bench.run_e2e()
@@ -1063,13 +1168,14 @@ def run_bench(settings: Settings, argv: Sequence[str] = (), log: Optional[Callab
         bench.run_stages()
         if "e2e" not in settings.sections:  # the fused rows the stages used are still worth reporting
             report["e2e"] = [r for r in bench.e2e_cache.values() if r["scope"] == "core"]
+    if "e2e" in settings.sections and settings.device == "cuda" and "pro" in settings.profiles:
+        report["pro_pack_probe"] = pro_pack_probe(bench, bench.budget.section(0.3))
     if "scaling" in settings.sections:
         bench.run_scaling()
-    if "e2e" in settings.sections and settings.device == "cuda" and "pro" in settings.profiles:
-        report["pro_pack_probe"] = pro_pack_probe(bench, None if settings.budget_s is None else
-                                                  bench.budget.section(0.5))
     if "harness" in settings.sections:
         bench.run_harness()
+    clear_caches()
+    free_memory(settings.device)
     report["targets"] = evaluate_targets(report, settings)
     report["duration_s"] = round(time.perf_counter() - start, 2)
     return _jsonable(report)
@@ -1103,7 +1209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 BENCH_EPILOG = """\
 examples:
-  dsv4-parity bench                                   # CPU: tiny profile, T = 256,512,1024, ~1 min
+  dsv4-parity bench                                   # CPU: tiny profile, T = 256..2048, ~20 s
   dsv4-parity bench --json out/bench.json             # + out/bench.png
   dsv4-parity bench --profile kernel,flash,pro --tokens 4K,8K,16K,32K,64K --json $OUT/bench.json   # one H200
   dsv4-parity bench --sections harness --harness-suite smoke --harness-limit 0   # the whole smoke suite
@@ -1122,7 +1228,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", help="profiles, comma-separated (CPU default tiny; CUDA kernel,flash,pro)")
     p.add_argument("--tokens", help="token counts T, comma-separated, 4K suffixes allowed (CPU default "
-                                    "256,512,1024; CUDA 4K,8K,16K,32K,64K)")
+                                    "256,512,1024,2048; CUDA 4K,8K,16K,32K,64K)")
     p.add_argument("--layout", default="seq", choices=LAYOUTS,
                    help="seq: one sequence of T tokens (BSHD); pack: THD pack of --segment-len segments")
     p.add_argument("--segment-len", type=int, help="segment length of THD packs (CPU 256, CUDA 4096)")
@@ -1138,14 +1244,17 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats, at most (default 3)")
     p.add_argument("--target-s", type=float, default=1.0,
                    help="seconds of timed repeats per measurement; fewer repeats when one run is slower")
-    p.add_argument("--budget-s", type=float, help="deadline for the whole bench (CPU 55, CUDA 480; 0 = none)")
+    p.add_argument("--budget-s", type=float, help="deadline for the whole bench in seconds (CPU 55, CUDA 300; 0 = none)")
     p.add_argument("--ref-max-tokens", type=int,
                    help="skip reference runs above this T (CUDA default 32768; 0 = no limit)")
     p.add_argument("--harness-suite", help="suite for the harness section (CPU smoke, CUDA gate)")
     p.add_argument("--harness-limit", type=int,
-                   help="cases of it, spread over the suite (CPU 6, CUDA 24; 0 = all)")
+                   help="cases of it, spread over the suite (CPU 0 = all, CUDA 24)")
     p.add_argument("--no-harness-report", action="store_true", help="do not time the report rendering")
     p.add_argument("--peak-tflops", type=float, help="peak for the %% column (CUDA default 790, the H200 bf16)")
+    p.add_argument("--threads", type=int,
+                   help="torch intra-op threads (CPU default 1: on a shared machine two threads make the timings "
+                        "bimodal; CUDA default: unchanged)")
     p.add_argument("--json", metavar="PATH", help="write the JSON here (default reports/out/bench/bench-<time>.json)")
     p.add_argument("--plot", metavar="PATH", help="write the PNG here (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true", help="no PNG")

@@ -96,10 +96,14 @@ class Workload:
 
 
 # ---- tensors ------------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=4)
 def _layer_params(profile: str, ratio: int, loss: str, dtype: str, device: str) -> dict[str, torch.Tensor]:
-    """Every layer parameter (``cases.tensors.initial_value``, seed 0), cached: they do not depend on ``T``."""
-    w = Workload(profile, 1, ratio=ratio, loss=loss, dtype=dtype)
+    """Every layer parameter (``cases.tensors.initial_value``, seed 0); they depend on neither ``T`` nor the loss."""
+    return _cached_params(profile, ratio, dtype, device)
+
+
+@functools.lru_cache(maxsize=3)
+def _cached_params(profile: str, ratio: int, dtype: str, device: str) -> dict[str, torch.Tensor]:
+    w = Workload(profile, 1, ratio=ratio, dtype=dtype)
     case = w.case
     out = {}
     for name, shape in parameter_shapes(case.config, "layer").items():
@@ -111,7 +115,7 @@ def _layer_params(profile: str, ratio: int, loss: str, dtype: str, device: str) 
 
 
 def clear_caches() -> None:
-    _layer_params.cache_clear()
+    _cached_params.cache_clear()
 
 
 def make_tensors(work: Workload, device: str, seed: int = 0) -> CaseTensors:
@@ -191,7 +195,8 @@ def reference_stages(work: Workload, device: str, seed: int = 1) -> list[StageCa
     c = work.config
     dtype = work.case.torch_dtype
     lengths = work.segment_lengths()
-    B, S = len(lengths), lengths[0]             # equal segments (a trailing remainder is left out)
+    S = lengths[0]
+    B = sum(1 for L in lengths if L == S)       # the equal segments (a shorter trailing one is left out)
     n, D, W = c.num_attention_heads, c.v_head_dim, c.csa_window_size
     nI, dI, K = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim, c.dsa_indexer_topk
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -207,7 +212,6 @@ def reference_stages(work: Workload, device: str, seed: int = 1) -> list[StageCa
     f_selected = _resolve("reference.sparse_attention:selected_compressed_indices")
     f_all = _resolve("reference.sparse_attention:all_compressed_indices")
     f_kl = _resolve("reference.indexer_loss:indexer_kl_rows")
-    f_compressor = _resolve("reference:compressor")
 
     stages: list[StageCall] = []
     hidden = randn(B, S, c.hidden_size)
@@ -222,7 +226,9 @@ def reference_stages(work: Workload, device: str, seed: int = 1) -> list[StageCa
                 x = hidden.detach().requires_grad_(True)
                 ps = {k: v.detach().requires_grad_(True) for k, v in params.items() if k.startswith(prefix + ".")}
                 out = api(x, ps, prefix, c)
-                return torch.autograd.grad(out, [x] + list(ps.values()), torch.ones_like(out))
+                if not out.requires_grad:  # no entry (T < r): nothing to differentiate
+                    return out
+                return torch.autograd.grad(out, [x] + list(ps.values()), torch.ones_like(out), allow_unused=True)
 
             return run
 
@@ -297,7 +303,8 @@ def fused_compressor_stage(work: Workload, device: str, seed: int = 1) -> Option
     if not c.has_compressor:
         return None
     lengths = work.segment_lengths()
-    B, S = len(lengths), lengths[0]
+    S = lengths[0]
+    B = sum(1 for L in lengths if L == S)
     gen = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn((B, S, c.hidden_size), generator=gen, device=device,
                          dtype=torch.float32).to(work.case.torch_dtype)
@@ -310,6 +317,8 @@ def fused_compressor_stage(work: Workload, device: str, seed: int = 1) -> Option
         x = hidden.detach().requires_grad_(True)
         ps = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         out = api(x, ps, prefix, c)
-        return torch.autograd.grad(out, [x] + list(ps.values()), torch.ones_like(out))
+        if not out.requires_grad:  # no entry (T < r): nothing to differentiate
+            return out
+        return torch.autograd.grad(out, [x] + list(ps.values()), torch.ones_like(out), allow_unused=True)
 
     return StageCall("compressor", "fused:compressor", run, flops=compressor_flops(c, B * S))

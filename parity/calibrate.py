@@ -41,8 +41,9 @@ def _worse(metric: str, value: float, than: float) -> bool:
     return value > than if GATED[metric] == "max" else value < than
 
 
-def measure(paths: Sequence[Path]) -> tuple[dict, dict]:
-    """``({(class, dtype, provider): {metric: (worst, case_id)}}, {source: n_cases})``."""
+def measure(paths: Sequence[Path], include_failures: bool = False) -> tuple[dict, dict]:
+    """``({(class, dtype, provider): {metric: (worst, case_id)}}, {source: n_cases})`` over the passing cases
+    (``include_failures``: also the failing ones — a failure is a finding to fix, not a tolerance to widen)."""
     worst: dict = defaultdict(dict)
     sources = {}
     for path in paths:
@@ -52,7 +53,7 @@ def measure(paths: Sequence[Path]) -> tuple[dict, dict]:
             if kind == "run":
                 run = row
             elif kind == "case":
-                if row.get("outcome") in ("pass", "fail"):
+                if row.get("outcome") == "pass" or (include_failures and row.get("outcome") == "fail"):
                     cases[row["case_id"]] = (row["case"]["dtype"],
                                              policy_provider(row.get("plan") or {}, run.get("provider", "torch")))
             elif kind == "metric" and row["metric"] in GATED and row["case_id"] in cases and row["value"] is not None:
@@ -67,8 +68,8 @@ def measure(paths: Sequence[Path]) -> tuple[dict, dict]:
 
 
 def calibrate(paths: Sequence[Path], *, write: bool = False, policy_path: Optional[str] = None,
-              margin: float = 2.0) -> int:
-    worst, sources = measure(paths)
+              margin: float = 2.0, include_failures: bool = False) -> int:
+    worst, sources = measure(paths, include_failures)
     if not worst:
         print("no metric rows found")
         return 1
@@ -78,7 +79,8 @@ def calibrate(paths: Sequence[Path], *, write: bool = False, policy_path: Option
                 suggestion = f"eps >= {margin * (1 - value):.3g}"
             else:
                 suggestion = f"<= {margin * value:.3g}"
-            print(f"{cls:<13} {dtype:<9} {provider:<6} {metric:<18} worst {value:.6g}  ({case_id})  suggest {suggestion}")
+            print(f"{cls:<13} {dtype:<9} {provider:<6} {metric:<18} worst {value:.6g}  ({case_id})  "
+                  f"suggest {suggestion}")
     if write:
         path = Path(policy_path) if policy_path else POLICY_PATH
         data = json.loads(path.read_text())
@@ -96,7 +98,10 @@ def calibrate(paths: Sequence[Path], *, write: bool = False, policy_path: Option
                 if math.isfinite(value) and (metric not in acc or _worse(metric, value, acc[metric])):
                     acc[metric] = value
         for entry, acc in merged.values():
-            entry["measured"] = {**{k: float(f"{v:.4g}") for k, v in sorted(acc.items())}, "from": f"{source}, {stamp}"}
+            # similarities are recorded as the eps they used (1 - worst), under the threshold's name
+            shown = {(f"{k}_eps" if GATED[k] == "min" else k): float(f"{(1 - v) if GATED[k] == 'min' else v:.4g}")
+                     for k, v in acc.items()}
+            entry["measured"] = {**dict(sorted(shown.items())), "from": f"{source}, {stamp}"}
         validate(data)
         path.write_text(json.dumps(data, indent=1) + "\n")
         print(f"updated the measured blocks of {path}")

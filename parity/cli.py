@@ -68,7 +68,8 @@ def _add_output(p: argparse.ArgumentParser) -> None:
                                  "reports/out/latest names the current run: a new run moves it")
     p.add_argument("--resume", action="store_true", help="keep the finished cases in --out and run the rest")
     p.add_argument("--make-default", action="store_true",
-                   help="point reports/out/latest at this run (what `make report` reads)")
+                   help="point reports/out/latest at this run (what `make report` reads) and render its report")
+    p.add_argument("--no-report", action="store_true", help="with --make-default: do not render the report")
     p.add_argument("--junit", type=Path, metavar="PATH", help="also write JUnit XML here")
     p.add_argument("--isolate", default="auto", choices=("auto", "none", "worker", "case"),
                    help="process isolation: none (in-process), worker (a child replaced after any error), case "
@@ -77,7 +78,7 @@ def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar and no per-case lines")
 
 
-# ---- case selection ---------------------------------------------------------------------------------------------------
+# ---- case selection --------------------------------------------------------------------------------------------------
 def _parse_cases(items: Sequence[str]) -> list:
     import json
 
@@ -149,7 +150,17 @@ def _check_impls(args: argparse.Namespace, oracle: Optional[str]) -> None:
         load(args.against)
 
 
-# ---- run ------------------------------------------------------------------------------------------------------------------
+# ---- run -------------------------------------------------------------------------------------------------------------
+def _say(text: str) -> None:
+    """Print to stdout; a closed pipe (``... | head``) must not turn a finished run's exit code into a crash."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _report_hint(out_dir: Path, link: Optional[Path]) -> str:
     shown = link if link is not None else out_dir
     return f"results: {out_dir / 'results.jsonl'}\nreport:  dsv4-parity report {shown}"
@@ -157,11 +168,8 @@ def _report_hint(out_dir: Path, link: Optional[Path]) -> str:
 
 def _render_report(out_dir: Path) -> None:
     """Render the report if the reports package offers a renderer (best effort, never fails the run)."""
-    try:
-        mod = importlib.import_module("reports.commands")
-    except ImportError:
-        return
-    render = getattr(mod, "render_run", None)
+    mod = _plugin("reports.commands")
+    render = getattr(mod, "render_run", None) if mod is not None else None
     if callable(render):
         try:
             render(out_dir)
@@ -187,12 +195,13 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
         if (out_dir / "results.jsonl").exists() and args.resume:
             run_id = out_dir.name
     config = RunConfig(suite=label, options=_options(args), out_dir=out_dir, oracle=oracle, resume=args.resume,
-                       isolate=args.isolate, timeout=args.timeout, junit=args.junit, argv=sys.argv,
+                       isolate=args.isolate, timeout=args.timeout, junit=args.junit,
+                       argv=["dsv4-parity", *getattr(args, "argv", sys.argv[1:])],
                        run_id=run_id, quiet=args.quiet)
     counts, code = run(cases, config)
     if link is not None:
         point_link(link, out_dir)
-    print(summary_line(counts) + (f" [oracle {oracle}]" if oracle else ""))
+    _say(summary_line(counts) + (f" [oracle {oracle}]" if oracle else ""))
     return counts, code, out_dir, link
 
 
@@ -211,9 +220,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ImplError
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.make_default:
+    if args.make_default and not args.no_report:
         _render_report(out_dir)
-    print(_report_hint(out_dir, link))
+    _say(_report_hint(out_dir, link))
     return code
 
 
@@ -248,13 +257,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
 
     try:
-        return calibrate(args.results, write=args.write, policy_path=args.policy, margin=args.margin)
+        return calibrate(args.results, write=args.write, policy_path=args.policy, margin=args.margin,
+                         include_failures=args.include_failures)
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-# ---- shrink predicate -----------------------------------------------------------------------------------------------------
+# ---- shrink predicate ------------------------------------------------------------------------------------------------
 def shrink_predicate(args: argparse.Namespace):
     """``factory(args) -> (case -> still fails)``: the same outcome and deciding rule as the original case."""
     from cases.commands import resolve_case
@@ -278,7 +288,7 @@ def shrink_predicate(args: argparse.Namespace):
     return still_fails
 
 
-# ---- parser -----------------------------------------------------------------------------------------------------------------
+# ---- parser ----------------------------------------------------------------------------------------------------------
 def _plugin(module: str):
     try:
         return importlib.import_module(module)
@@ -322,13 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
     meta.set_defaults(func=cmd_metamorphic)
 
     cal = sub.add_parser("calibrate", help="measure worst cases from result files into the tolerance policy",
-                         description="Read results.jsonl files (runs of a correct implementation), print the "
-                                     "worst value per (tensor class, dtype, provider) and metric, and with --write "
-                                     "record them in the policy's `measured` blocks (thresholds are not changed).")
+                         description="Read results.jsonl files, print the worst value over the passing cases per "
+                                     "(tensor class, dtype, provider) and metric, and with --write record them in "
+                                     "the policy's `measured` blocks (thresholds are edited by hand).")
     cal.add_argument("results", nargs="+", type=Path, help="results.jsonl files or run directories")
     cal.add_argument("--policy", help="policy file (default parity/policy.json)")
     cal.add_argument("--write", action="store_true", help="update the policy's measured blocks")
     cal.add_argument("--margin", type=float, default=2.0, help="suggested threshold = margin × worst (default 2)")
+    cal.add_argument("--include-failures", action="store_true",
+                     help="also measure failing cases (default: passing cases only)")
     cal.set_defaults(func=cmd_calibrate)
 
     cases_cmd = _plugin("cases.commands")
@@ -346,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     from .engine import configure_torch
 
     configure_torch()
@@ -357,6 +370,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted (finished cases are kept; continue with --resume)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dsv4-parity run ... | head`: the reader left; the results file is complete
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

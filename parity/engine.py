@@ -32,7 +32,7 @@ from . import policy as policy_mod
 from . import structure, verdict
 from .impls import Implementation, is_unsupported, policy_provider
 from .results import CaseResult
-from .snapshot import Snapshot, run
+from .snapshot import run
 
 
 @dataclass
@@ -108,9 +108,8 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
 
     def finish(outcome: str, decided_by: str, message: str) -> CaseResult:
         result.outcome, result.decided_by, result.message = outcome, decided_by, message
-        if outcome in ("error", "unsupported"):
-            result.first_failure = {"tensor": None, "rule": decided_by, "message": message} \
-                if outcome == "error" else None
+        if outcome == "error":
+            result.first_failure = {"tensor": None, "rule": "error", "message": message}
         result.duration_s = time.perf_counter() - start
         return result
 
@@ -124,7 +123,7 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
         impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
         result.plan = impl_snap.record or {}
         stage = f"{against.name} runs"
-        truth, noise = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+        truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"])
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
@@ -146,21 +145,25 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
         outcome, decided_by = "fail", "require"
         message = f"required provider {options.require!r} did not run (plan: {result.plan or 'none'})"
         result.first_failure = {"tensor": None, "rule": "require", "message": message}
+    if note and outcome == "fail":
+        message += f" [{note}]"
     return finish(outcome, decided_by, message)
 
 
 def reference_runs(case: Case, against: Implementation, tensors, split: Optional[torch.Tensor]) -> tuple:
-    """``(truth, noise)`` in split mode; a selection the reference cannot even consume (malformed ids, which the
-    structure rule reports) falls back to the reference's own selection so the other tensors are still compared."""
+    """``(truth, noise, note)`` in split mode. A selection the reference cannot even consume (malformed ids, which
+    the structure rule reports) falls back to the reference's own selection, so the other tensors are still
+    compared; ``note`` then says so (else it is empty)."""
+    note = ""
     try:
         truth = run(against.api, case, tensors, upcast=True, topk_indices=split)
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
         if split is None:
             raise
-        split = None
+        split, note = None, f"split mode impossible ({one_line(exc)}); compared with the reference's own selection"
         truth = run(against.api, case, tensors, upcast=True)
     noise = truth if case.dtype == "float64" else run(against.api, case, tensors, topk_indices=split)
-    return truth, noise
+    return truth, noise, note
 
 
 def snapshots(case: Case, impl: Implementation, against: Implementation, options: RunOptions) -> tuple:
@@ -168,8 +171,8 @@ def snapshots(case: Case, impl: Implementation, against: Implementation, options
     provider = impl.resolve_provider(options.provider)
     tensors = materialize(case, options.torch_device())
     impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
-    truth, noise = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+    truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"])
     return tensors, impl_snap, truth, noise
 
 
-__all__ = ["RunOptions", "Snapshot", "run_case", "snapshots"]
+__all__ = ["RunOptions", "configure_torch", "run_case", "snapshots"]

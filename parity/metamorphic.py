@@ -52,11 +52,11 @@ class Oracle:
     check: Callable  # (case, impl, runner, ulps) -> list[TensorResult]
 
 
-# ---- comparing two runs -----------------------------------------------------------------------------------------------
+# ---- comparing two runs ----------------------------------------------------------------------------------------------
 def compare(name: str, case: Case, a: Optional[torch.Tensor], b: Optional[torch.Tensor], mode: str,
             ulps: float) -> TensorResult:
     """``a`` (variant) against ``b`` (base), restricted by the caller; ``mode`` is ``exact`` or ``ulp``."""
-    cls = tensor_class(name.split(":")[-1], case)
+    cls = tensor_class(name.split(":")[-1])
     shown = b if b is not None else a
     base = dict(name=name, tensor_class=cls, dtype="none" if shown is None else str(shown.dtype).removeprefix("torch."),
                 shape=[] if shown is None else list(shown.shape))
@@ -109,7 +109,7 @@ def _rows(x: Optional[torch.Tensor], index: torch.Tensor) -> Optional[torch.Tens
     return None if x is None else x[index.to(x.device)]
 
 
-# ---- helpers on tensors -----------------------------------------------------------------------------------------------
+# ---- helpers on tensors ----------------------------------------------------------------------------------------------
 def _segments(case: Case) -> list[tuple[int, int]]:
     """``(physical start, real length)`` of each THD segment with real tokens."""
     lay = case.layout
@@ -127,7 +127,7 @@ def _tensors_like(base: CaseTensors, inputs: dict, grad_output: torch.Tensor, ps
                        real_rows=real_rows, row_kinds=kinds)
 
 
-# ---- the oracles --------------------------------------------------------------------------------------------------------
+# ---- the oracles -----------------------------------------------------------------------------------------------------
 def _thd_pack(case: Case, runner, ulps: float) -> list:
     device = runner.device
     T = materialize(case, device)

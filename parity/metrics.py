@@ -44,7 +44,7 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(mag))) * eps(dtype)
 
 
-# ---- plain error metrics ----------------------------------------------------------------------------------------------
+# ---- plain error metrics ---------------------------------------------------------------------------------------------
 def max_abs(a: torch.Tensor, r: torch.Tensor) -> float:
     return float((a - r).abs().max()) if a.numel() else 0.0
 
@@ -106,7 +106,7 @@ def inf_count(x: torch.Tensor) -> int:
     return int(torch.isinf(x).sum()) if x.is_floating_point() else 0
 
 
-# ---- noise-floor metrics ----------------------------------------------------------------------------------------------
+# ---- noise-floor metrics ---------------------------------------------------------------------------------------------
 def ulp_floor(r: torch.Tensor, dtype: torch.dtype, ulps: float) -> float:
     """``ulps · eps(dtype) · max|r|``: the tensor-wide absolute floor."""
     if not r.numel():
@@ -163,6 +163,8 @@ def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: 
     and removes non-finite elements).
     """
     p = r if p is None else p
+    if atol > 0:  # magnitudes below atol are underflow noise: an exactly-zero reference is matched by 1e-46
+        a, r, p = (torch.where(x.abs() <= atol, torch.zeros_like(x), x) for x in (a, r, p))
     floor = ulp_floor(r, dtype, ulps)
     nfr, _ = noise_floor_ratio(a, r, p, dtype, ulps, per_element, scalar_ulps, atol)
     out = {

@@ -37,6 +37,15 @@ DEFAULT_OUT = Path("reports") / "out" / "mutants"
 MUTANTS_NAME = "mutants.jsonl"
 ANY = ("",)  # reach cells of a mutant every case executes
 
+DESCRIPTION = """\
+Mutation suite: switch on each planted bug of fused.mutants in turn and run the suite (fused, --provider, against
+the reference, in-process). A mutant is killed by the first case that passed clean and now fails or errors;
+survived if its mutation point ran and nothing failed; unreachable if no case hits one of its reach cells
+(`--list` shows them; the missing cell is printed). Writes <out>/results.jsonl (the clean run) and
+<out>/mutants.jsonl (the kill matrix of `dsv4-parity report <out>`). Exit 0 iff the clean run passed and every
+mutant was killed; the last line reads `mutants: K/N killed`.
+"""
+
 #: mutant -> the feature cells of the cases that can reach (and expose) it; "" = any case. The first entry is the
 #: cell named when a suite misses them all.
 CATALOGUE: dict[str, tuple[str, ...]] = {
@@ -178,14 +187,18 @@ def describe(o: MutantOutcome) -> str:
         k = o.kills[0]
         more = len({x.case_id for x in o.kills})
         where = f"case {k.case_id}  {k.tensor}  [{k.check}]"
+        if k.check == "error":
+            where += f"  {k.message[:90]}"
         return (f"{head} {where}  ({o.cases_run} case{'s' * (o.cases_run != 1)}, {o.duration_s:.1f} s"
                 + (f", {more} killing cases" if more > 1 else "") + ")")
     if o.status == "survived":
         return f"{head} ran {o.cases_run} reaching cases, none failed ({o.duration_s:.1f} s): strengthen a check"
+    cells = [c for c in CATALOGUE.get(o.name, ANY) if c]
+    if o.reaching == 0 and cells and len(o.missing) == len(cells):
+        return f"{head} the suite lacks cell {o.missing[0]}" + \
+            (f" (or any of: {'; '.join(o.missing[1:])})" if len(o.missing) > 1 else "")
     if o.reaching == 0:
-        cells = CATALOGUE.get(o.name, ANY)
-        return f"{head} no case hits a reach cell; add a case with {cells[0] or 'any features'}" + \
-            (f" (or: {'; '.join(cells[1:])})" if len(cells) > 1 else "")
+        return f"{head} no case that hits its cells passes clean"
     return f"{head} {o.reaching} cases hit its cells but none executed the mutation point: fix its CATALOGUE cells"
 
 
@@ -301,8 +314,7 @@ def add_parsers(sub) -> dict:
     from .cli import PROVIDERS, _add_selection
 
     p = sub.add_parser("mutants", help="mutation suite: every planted bug (fused.mutants) must fail the suite",
-                       description=__doc__.split("\n\n")[0] + " Exit 1 if the clean run fails or a mutant is not "
-                       "killed.", formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_selection(p)
     p.add_argument("--mutant", action="append", metavar="NAME", help="run only this mutant (repeatable)")
     p.add_argument("--list", action="store_true", help="list the mutants and their reach cells, and exit")

@@ -4,7 +4,9 @@ Layout::
 
     {"scalar_numel": 64,                      # tensors this small use the per-element ULP floor (sink grad, loss)
      "classes": {CLASS: {DTYPE: {PROVIDER: ENTRY}}},   # "*" is the fallback at the dtype and provider levels
-     "topk": {...}, "metamorphic": {...}}
+     "topk": {DTYPE or "*": {"margin_factor": 1.0,    # score noise δ = margin_factor · (observed noise + floor)
+                             "ulps": 4}},              # ULP floor of the score noise (parity/topk.py)
+     "metamorphic": {DTYPE: {"ulps": 64}}}     # the ``ulp`` rule of the oracles (parity/metamorphic.py)
 
 ``CLASS`` is a tensor class (``out lse index_scores topk loss grad_input grad_param``), ``DTYPE`` the case dtype,
 ``PROVIDER`` the fused kernel provider (``torch``, ``cudnn``, ...). An ``ENTRY`` holds the thresholds of the layered
@@ -14,12 +16,12 @@ verdict (:mod:`parity.verdict`) and the measured worst case each was set from::
      "ulps": 2,                  # the ULP floor of rules 2 and 4, in units of the *case* dtype's epsilon
      "scalar_ulps": 8,           # optional (0): per-element ULPs added for tiny tensors (sink gradient, loss)
      "atol": 1e-30,              # optional (0): absolute floor, absorbs underflow noise where the reference is 0
-     "cosine_eps": 1e-3,         # rule 3: 1 - cosine <= this
-     "tensor_sim_eps": 1e-3,     # rule 3: 1 - tensor_sim <= this
+     "cosine_eps": 1e-3,         # rule 3: 1 - cosine <= max(this, noise_floor_ratio² · (1 - cosine of the noise run))
+     "tensor_sim_eps": 1e-3,     # rule 3: likewise for tensor_sim
      "rmse_ratio": 3.0,          # rule 4: rmse(a - r) / (rmse(p - r) + floor) <= this
      "scale_ratio": 3.0,         # rule 4: |‖a‖/‖r‖ - 1| / (same of p + scale_floor · eps) <= this
      "scale_floor": 0.25,        # optional (default 0.25): systematic bias tolerated for free, in eps
-     "measured": {"noise_floor_ratio": 1.2, ..., "from": "suite smoke, 48 cases, torch, 2024-06-01"}}
+     "measured": {"noise_floor_ratio": 1.2, "cosine_eps": 2e-5, ..., "from": "smoke fused@<run> (47 cases), ..."}}
 
 ``dsv4-parity calibrate`` refreshes the ``measured`` blocks from result files.
 """

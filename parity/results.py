@@ -4,6 +4,11 @@ One case's rows (``case``, then its ``tensor`` rows, then their ``metric`` rows)
 ``write`` and flushed to disk, so a run killed at any moment leaves whole cases behind. :func:`read_for_resume`
 drops a torn last line, the rows of a case whose ``case`` row never arrived and the closing ``end`` row, and
 returns the finished case ids; the run then appends to the same file.
+
+Every line is strict JSON: a NaN metric value is written as ``null`` and ±inf as ±1.7976931348623157e308 (the
+largest double), so any JSON reader accepts the stream and an infinite error still sorts as the worst.
+Beyond the schema, the ``run`` row also carries ``options`` (the engine options), and metric rows may carry
+metrics outside the fixed list (``ulp_floor``, ``rmse_ratio``, ``scale_ratio``, ``ref_cosine``, top-k row counts...).
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from cases.case import Case
 from . import results as R
 from .engine import RunOptions, run_case
 
-DEFAULT_OUT_ROOT = Path("reports") / "out"
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT_ROOT = REPO / "reports" / "out"
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +66,7 @@ def error_rows(case: Case, options: RunOptions, message: str) -> list[dict]:
                         first_failure={"tensor": None, "rule": "error", "message": message}).rows()
 
 
-# ---- output directory ---------------------------------------------------------------------------------------------------
+# ---- output directory ------------------------------------------------------------------------------------------------
 def new_run_id(suite: str, impl: str, oracle: Optional[str] = None) -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = impl.replace(":", "-").replace("/", "-").split(".")[-1]
@@ -87,7 +88,7 @@ def resolve_out_dir(out: Optional[str], run_id: str, make_default: bool, resume:
     if out is None:
         return DEFAULT_OUT_ROOT / run_id, (latest if make_default else None)
     path = Path(out)
-    names_latest = path.absolute() == latest.absolute()
+    names_latest = path.absolute() == latest.absolute() or (path.is_symlink() and path.absolute() == latest)
     if path.is_symlink():
         return (path.resolve(), None) if resume else (path.parent / run_id, path)
     if names_latest and not path.exists():
@@ -108,7 +109,7 @@ def point_link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-# ---- the run loop ---------------------------------------------------------------------------------------------------------
+# ---- the run loop ----------------------------------------------------------------------------------------------------
 @dataclass
 class RunConfig:
     suite: str
@@ -185,8 +186,7 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
         opts = config.options
         writer.write([{"type": "run", "run_id": config.run_id, "suite": config.suite, "impl": opts.impl,
                        "against": f"oracle:{config.oracle}" if config.oracle else opts.against,
-                       "provider": _impl(opts.impl).resolve_provider(opts.provider) if _safe_impl(opts.impl)
-                       else opts.provider,
+                       "provider": _run_provider(opts),
                        "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                        "argv": list(config.argv), "env": environment(opts.torch_device()),
                        "options": asdict(opts)}])
@@ -227,12 +227,12 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     return counts, code
 
 
-def _safe_impl(name: str) -> bool:
+def _run_provider(options: RunOptions) -> str:
+    """The provider recorded in the ``run`` row: as requested, ``none`` for an implementation without providers."""
     try:
-        _impl(name)
-        return True
-    except Exception:  # noqa: BLE001 — reported per case
-        return False
+        return _impl(options.impl).resolve_provider(options.provider)
+    except Exception:  # noqa: BLE001 — an implementation that cannot load is reported per case
+        return options.provider
 
 
 def select(cases: Iterable[Case], ids: Sequence[str]) -> list[Case]:

@@ -27,7 +27,7 @@ FORWARD_NAMES = ("out", "lse", "index_scores", "topk_indices", "indexer_loss")
 INPUT_ORDER = ("query", "kv", "hidden", "q_latent")
 
 
-def tensor_class(name: str, case: Case) -> str:
+def tensor_class(name: str) -> str:
     """The policy class of a tensor name: ``out lse index_scores topk loss grad_input grad_param``."""
     if name == "topk_indices":
         return "topk"

@@ -17,14 +17,12 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
-
 import torch
 
 from cases.case import Case
 from cases.tensors import CaseTensors
 
-from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, other_rows, real_rows
+from .snapshot import INPUT_ORDER, Snapshot, other_rows, real_rows
 
 
 def _fmt_dtype(x: torch.Tensor) -> str:
@@ -136,14 +134,3 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
             sr = real_rows(scores.cpu().to(torch.float64), mask)
             problems["topk_indices"] += topk_problems(ir.reshape(ir.shape[0], -1) if ir.dim() > 1 else ir, sr, k)
     return {k: v for k, v in problems.items() if v}
-
-
-def row_tensor_names(snapshot: Snapshot) -> list[str]:
-    return [n for n in snapshot.names if is_row_tensor(n)]
-
-
-def first(problems: dict[str, list]) -> Optional[tuple[str, str]]:
-    for name, items in problems.items():
-        if items:
-            return name, items[0]
-    return None

@@ -21,7 +21,7 @@ row) and the first mismatch. Structure (width, ``-1`` padding, ascending order, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -38,7 +38,6 @@ class TopkReport:
     mismatched_tied: int = 0
     worst_gap_ratio: float = 0.0  # max over tied rows of (value gap / 2δ); ≤ 1 passes
     first_failure: Optional[str] = None
-    details: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -84,7 +83,7 @@ def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optio
     valid = torch.isfinite(ref_scores)
     n_valid = valid.sum(1)
     zero = torch.zeros_like(ref_scores)
-    r0 = torch.where(valid, ref_scores, zero)
+    r0 = torch.where(valid, ref_scores, zero)  # -inf → 0 for magnitudes and gathers
 
     def row_err(x: Optional[torch.Tensor]) -> torch.Tensor:
         if x is None:
@@ -93,15 +92,14 @@ def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optio
         return d.amax(1) if C else torch.zeros(R, dtype=torch.float64)
 
     scale = r0.abs().amax(1) if C else torch.zeros(R, dtype=torch.float64)
-    delta = margin_factor * (torch.maximum(row_err(impl_scores), row_err(noise_scores)) + ulps * eps(score_dtype) * scale)
+    observed = torch.maximum(row_err(impl_scores), row_err(noise_scores))
+    delta = margin_factor * (observed + ulps * eps(score_dtype) * scale)
 
-    sorted_desc = torch.sort(ref_scores, dim=1, descending=True).values
-    chooses = n_valid > k
-    if k < C:
-        margin = torch.where(chooses, sorted_desc[:, k - 1] - sorted_desc[:, k] if k > 0 else zero[:, 0],
-                             torch.full((R,), math.inf, dtype=torch.float64))
-    else:
-        margin = torch.full((R,), math.inf, dtype=torch.float64)
+    # descending scores, padded with -inf so that the (K+1)-th always exists
+    fill = torch.full((R, max(k + 1 - C, 1)), -math.inf, dtype=torch.float64)
+    sorted_desc = torch.cat([torch.sort(ref_scores, dim=1, descending=True).values, fill], 1)
+    margin = torch.where(n_valid > k, sorted_desc[:, k - 1] - sorted_desc[:, k],
+                         torch.full((R,), math.inf, dtype=torch.float64))
     clear = margin > 2 * delta
     rep.clear, rep.tied = int(clear.sum()), int((~clear).sum())
 
@@ -114,10 +112,9 @@ def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optio
     gathered = torch.where(impl_idx >= 0, torch.gather(r0, 1, safe) if C else safe.double(),
                            torch.full(impl_idx.shape, -math.inf, dtype=torch.float64))
     gathered = torch.sort(gathered, dim=1, descending=True).values
-    top = sorted_desc[:, :k] if C >= k else torch.cat(
-        [sorted_desc, torch.full((R, k - C), -math.inf, dtype=torch.float64)], 1)
-    both_inf = torch.isinf(gathered) & torch.isinf(top) & (gathered == top)
-    gap = torch.where(both_inf, torch.zeros_like(top), (gathered - top).abs()).amax(1) if k else zero[:, 0]
+    top = sorted_desc[:, :k]
+    both_inf = torch.isinf(gathered) & (gathered == top)
+    gap = torch.where(both_inf, torch.zeros_like(top), (gathered - top).abs()).amax(1)
     tol = 2 * delta
     ratio = torch.where(tol > 0, gap / tol, torch.where(gap > 0, math.inf, 0.0))
     tied_bad = (~clear) & (ratio > 1)
@@ -128,10 +125,10 @@ def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optio
     if rep.mismatched_clear:
         row = int(set_mismatch.nonzero()[0, 0])
         rep.first_failure = (f"row {row}: selected {impl_idx[row].tolist()} but the reference selects "
-                             f"{ref_idx[row].tolist()} (margin {float(margin[row]):.3g} > 2·noise {float(tol[row]):.3g})")
+                             f"{ref_idx[row].tolist()} (margin {float(margin[row]):.3g} > "
+                             f"2·noise {float(tol[row]):.3g})")
     elif rep.mismatched_tied:
         row = int(tied_bad.nonzero()[0, 0])
         rep.first_failure = (f"row {row} (near-tie, margin {float(margin[row]):.3g}): selected values differ from the "
                              f"top-{k} by {float(gap[row]):.3g} > 2·noise {float(tol[row]):.3g}")
-    rep.details = {"min_margin_ratio": float((margin / tol.clamp_min(1e-300)).min()) if R else math.inf}
     return rep

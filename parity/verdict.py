@@ -146,13 +146,14 @@ def _restrict(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: Snapshot, noise: Snapshot,
-                       problems: dict, policy: Policy, provider: str) -> tuple[list, Optional[topk_protocol.TopkReport]]:
+                       problems: dict, policy: Policy,
+                       provider: str) -> tuple[list, Optional[topk_protocol.TopkReport]]:
     """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer)."""
     mask = tensors.real_rows.cpu()
     results, report = [], None
     for name in dict.fromkeys(truth.names + impl.names):
         a, r, p = impl[name], truth[name], noise[name]
-        cls = tensor_class(name, case)
+        cls = tensor_class(name)
         shown = a if a is not None else p
         base = dict(name=name, tensor_class=cls, dtype=_dtype_name(shown),
                     shape=list(shown.shape) if shown is not None else [])

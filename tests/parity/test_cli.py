@@ -1,7 +1,6 @@
 """``dsv4-parity`` end to end: run, exit codes, resume, output directories, isolation, plug-ins."""
 
 import json
-import os
 
 import pytest
 
@@ -96,47 +95,45 @@ def test_resume_runs_only_the_unfinished_cases(tmp_path, capsys):
 
 
 def test_out_directory_rules(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    latest = os.path.join("reports", "out", "latest")
-    d, link = resolve_out_dir(None, "R1", False, False)
-    assert str(d) == os.path.join("reports", "out", "R1") and link is None
-    d, link = resolve_out_dir(None, "R1", True, False)
-    assert str(d) == os.path.join("reports", "out", "R1") and str(link) == latest
-    d, link = resolve_out_dir(latest, "R2", True, False)  # the Makefile: --out reports/out/latest --make-default
-    assert str(d) == os.path.join("reports", "out", "R2") and str(link) == latest
-    d, link = resolve_out_dir("elsewhere", "R3", True, False)
-    assert str(d) == "elsewhere" and str(link) == latest
+    root = tmp_path / "reports" / "out"
+    monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
+    latest = root / "latest"
+    assert resolve_out_dir(None, "R1", False, False) == (root / "R1", None)
+    assert resolve_out_dir(None, "R1", True, False) == (root / "R1", latest)
+    # the Makefile's --out reports/out/latest --make-default: a new run directory, the link moves to it
+    assert resolve_out_dir(str(latest), "R2", True, False) == (root / "R2", latest)
+    assert resolve_out_dir(str(tmp_path / "elsewhere"), "R3", True, False) == (tmp_path / "elsewhere", latest)
+    assert resolve_out_dir(str(tmp_path / "elsewhere"), "R3", False, False) == (tmp_path / "elsewhere", None)
 
 
 def test_make_default_moves_the_latest_link_and_resume_follows_it(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "reports" / "out"
+    monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
     case = pick(dtype="float64", layout="bshd", ratio="0")
-    args = ["run", "--suite", "smoke", *ids(case), "--impl", "reference", "--quiet", "--out", "reports/out/latest",
-            "--make-default"]
+    link = root / "latest"
+    args = ["run", "--suite", "smoke", *ids(case), "--impl", "reference", "--quiet", "--out", str(link),
+            "--make-default", "--no-report"]
     assert main(args) == 0
-    link = tmp_path / "reports/out/latest"
     first = link.resolve()
     assert link.is_symlink() and (first / "results.jsonl").exists()
-    assert f"report:  dsv4-parity report reports/out/latest" in capsys.readouterr().out
+    assert f"report:  dsv4-parity report {link}" in capsys.readouterr().out
     monkeypatch.setattr("parity.runner.new_run_id", lambda *a: "second-run")
     assert main(args) == 0
-    assert link.resolve() == tmp_path / "reports/out/second-run" != first
+    assert link.resolve() == root / "second-run" != first
     assert main(args + ["--resume"]) == 0  # continues in the directory the link points at
-    assert link.resolve() == tmp_path / "reports/out/second-run"
+    assert link.resolve() == root / "second-run"
     assert len([r for r in rows(link) if r["type"] == "case"]) == 1
 
 
-def test_worker_isolation_turns_a_crash_into_one_error(tmp_path, capsys):
-    crash = pick(dtype="float32", layout="bshd", ratio="0")
-    code = main(["run", "--case", crash.to_json(), "--impl", "tests.parity.fakes:fused_crashes", "--isolate", "case",
-                 "--out", str(tmp_path / "r"), "--quiet"])
+def test_worker_isolation_turns_a_crash_into_one_error(tmp_path):
+    crash = pick(dtype="float32", layout="thd", ratio="0")
+    fine = pick(dtype="float32", layout="bshd", ratio="0")
+    code = main(["run", "--suite", "smoke", *ids(crash, fine), "--impl", "tests.parity.fakes:reference_crashes",
+                 "--isolate", "worker", "--out", str(tmp_path / "r"), "--quiet"])
     assert code == 1
-    row = next(r for r in rows(tmp_path / "r") if r["type"] == "case")
-    assert row["outcome"] == "error" and "worker crashed (exit code 3)" in row["message"]
-    # the same worker machinery runs a healthy case to a pass
-    code = main(["run", "--case", crash.to_json(), "--impl", "reference", "--isolate", "worker",
-                 "--out", str(tmp_path / "ok"), "--quiet"])
-    assert code == 0, capsys.readouterr()
+    got = {r["case_id"]: r for r in rows(tmp_path / "r") if r["type"] == "case"}
+    assert got[crash.id]["outcome"] == "error" and "worker crashed (exit code 3)" in got[crash.id]["message"]
+    assert got[fine.id]["outcome"] == "pass"  # a fresh worker took over
 
 
 def test_help_and_plugins():
@@ -161,3 +158,15 @@ def test_shrink_uses_the_parity_predicate(tmp_path, capsys):
     assert code == 0, captured.err
     assert "dsv4-parity run --case" in captured.out
     assert "original case" in captured.err and "fail (aggregate)" in captured.err
+
+
+def test_require_provider(tmp_path, capsys):
+    case = pick(dtype="float32", layout="bshd", ratio="0")
+    assert main(["run", "--case", case.to_json(), "--require", "torch", "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    row = next(r for r in rows(tmp_path / "a") if r["type"] == "case")
+    assert set(row["plan"].values()) == {"torch"}
+    # an implementation that reports no provider cannot satisfy a requirement: a silent fallback fails
+    assert main(["run", "--case", case.to_json(), "--impl", "reference", "--require", "torch",
+                 "--out", str(tmp_path / "b"), "--quiet"]) == 1
+    row = next(r for r in rows(tmp_path / "b") if r["type"] == "case")
+    assert row["decided_by"] == "require" and "did not run" in row["message"]

@@ -1,0 +1,214 @@
+"""``dsv4-parity bench`` runs and writes a well-formed report. Speed is reported by the bench, never asserted here:
+these tests check that it runs, its output schema, and the instruments it is built from (each with a negative
+control)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from cases.errors import CaseError
+from parity import bench, bench_flops, bench_measure
+from parity.bench_workloads import Workload
+from parity.cli import main as cli_main
+
+SMALL = ["bench", "--profile", "tiny", "--tokens", "64,128", "--repeats", "1", "--warmup", "0",
+         "--harness-limit", "2", "--budget-s", "0", "--no-harness-report", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    code = cli_main(SMALL + ["--json", str(out)])
+    return code, out
+
+
+# ---- the command ------------------------------------------------------------------------------------------------------
+def test_bench_runs_and_writes_json_and_plot(small_run):
+    code, out = small_run
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert bench.check_schema(report) == []
+    assert report["schema"] == bench.SCHEMA
+    assert report["settings"]["tokens"] == [64, 128] and report["settings"]["device"] in ("cpu", "cuda")
+
+
+def test_bench_report_covers_every_section(small_run):
+    report = json.loads(small_run[1].read_text())
+    measured = {(r["tokens"], r["scope"], r["impl"]) for r in report["e2e"] if r["status"] == "ok"}
+    assert measured == {(t, s, i) for t in (64, 128) for s in ("core", "layer") for i in ("fused", "reference")}
+    fused = [r for r in report["e2e"] if r["impl"] == "fused"]
+    assert all(r["kernels"] and r["kernel_sum_ms"] > 0 and r["composition_ratio"] > 0 for r in fused)
+    assert {k["stage"] for k in fused[0]["kernels"]} >= {"indexer_forward", "sparse_attn_fwd", "sparse_attn_bwd"}
+    groups = {r["group"] for r in report["stages"]}
+    assert groups >= {"compressor", "indexer forward", "top-k", "sparse attention fwd", "sparse attention bwd",
+                      "score recompute", "indexer backward"}
+    assert all(r["reference"]["status"] == "ok" for r in report["stages"])
+    assert {f["series"] for f in report["scaling"]["fits"]} >= {"reference, THD pack of fixed segments",
+                                                                  "reference, one sequence"}
+    h = report["harness"]
+    assert h["status"] == "ok" and h["cases"] == 2 and sum(h["counts"].values()) == 2
+    assert 0 <= h["overhead_share"] <= 1 and "impl forward" in h["phases"] and "compare" in h["phases"]
+    assert {t["name"] for t in report["targets"]} >= {"smoke suite on CPU", "fused core fwd+bwd / sum of its kernels"}
+
+
+def test_check_schema_rejects_broken_reports(small_run):
+    """Negative controls: each corruption is reported."""
+    good = json.loads(small_run[1].read_text())
+    broken = []
+    r = copy.deepcopy(good); del r["e2e"]; broken.append(r)                                  # noqa: E702
+    r = copy.deepcopy(good); r["schema"] = "other/0"; broken.append(r)                      # noqa: E702
+    r = copy.deepcopy(good); r["e2e"][0]["tokens"] = "64"; broken.append(r)                 # noqa: E702
+    r = copy.deepcopy(good); r["e2e"][0]["status"] = "fine"; broken.append(r)               # noqa: E702
+    r = copy.deepcopy(good); r["e2e"][0]["time"]["median_ms"] = None; broken.append(r)      # noqa: E702
+    r = copy.deepcopy(good); del r["stages"][0]["reference"]["time_ms"]; broken.append(r)   # noqa: E702
+    r = copy.deepcopy(good); r["targets"][0]["status"] = "great"; broken.append(r)          # noqa: E702
+    r = copy.deepcopy(good); del r["harness"]["overhead_share"]; broken.append(r)           # noqa: E702
+    for i, doc in enumerate(broken):
+        assert bench.check_schema(doc), f"corruption {i} not reported"
+
+
+@pytest.mark.parametrize("argv, field", [(["--profile", "huge"], "profile"), (["--tokens", "12x"], "tokens"),
+                                         (["--sections", "e2e,speed"], "sections"), (["--scope", "all"], "scope")])
+def test_bad_options_exit_2_naming_the_field(argv, field, capsys):
+    assert cli_main(["bench"] + argv) == 2
+    assert field in capsys.readouterr().err
+
+
+# ---- instruments -------------------------------------------------------------------------------------------------------
+def test_parse_tokens():
+    assert bench.parse_tokens("4K,256,64k,256") == [256, 4096, 65536]
+    with pytest.raises(CaseError, match="tokens"):
+        bench.parse_tokens("-5")
+
+
+def test_slope_classifies_linear_and_quadratic():
+    xs = [256, 512, 1024, 2048]
+    assert bench._verdict(bench._slope(xs, [3.0 * x for x in xs])) == "linear"
+    assert bench._verdict(bench._slope(xs, [x * x for x in xs])) == "quadratic"  # negative control
+    assert bench._slope([256], [1.0]) is None
+
+
+def test_findings_name_a_quadratic_function_and_not_a_linear_one():
+    def series(name, function, ys):
+        return {"name": name, "impl": "reference", "kind": "function memory", "function": function,
+                "points": [{"tokens": t, "status": "ok", "retained_bytes": y} for t, y in zip((256, 512, 1024), ys)]}
+
+    all_series = [series("a: retained", "reference.indexer:index_scores", [1, 4, 16]),
+                  series("b: retained", "reference.sparse_attention:sparse_attention", [1, 2, 4])]
+    found = bench.findings_from_fits(all_series, bench.fit_series(all_series))
+    assert [f["function"] for f in found] == ["reference.indexer:index_scores"]
+    assert "reference/indexer.py:" in found[0]["where"]
+
+
+def test_key_counts_match_a_brute_force_count():
+    w = Workload("tiny", 100, ratio=4)
+    c = w.config
+    W, K = c.csa_window_size, c.dsa_indexer_topk
+    counts = bench_flops.key_counts(c, [100, 37])
+    rows = [(i, L) for L in (100, 37) for i in range(L)]
+    assert counts.rows == 137
+    assert counts.w == sum(min(i + 1, W) for i, _ in rows)
+    assert counts.v == sum((i + 1) // 4 for i, _ in rows)
+    assert counts.c == sum(min(K, (i + 1) // 4) for i, _ in rows)
+    window_only = bench_flops.key_counts(Workload("tiny", 100, ratio=0).config, [100])
+    assert window_only.v == window_only.c == 0 and window_only.keys == window_only.w
+
+
+def test_model_flops_grow_linearly_with_fixed_segments():
+    c = Workload("kernel", 1, ratio=4).config
+    one = bench_flops.total_flops(c, bench_flops.key_counts(c, [4096]), scope="layer", loss="sparse")
+    four = bench_flops.total_flops(c, bench_flops.key_counts(c, [4096] * 4), scope="layer", loss="sparse")
+    single = bench_flops.total_flops(c, bench_flops.key_counts(c, [4 * 4096]), scope="layer", loss="sparse")
+    assert four == pytest.approx(4 * one)
+    assert single > four  # one long sequence: the indexer scores every visible entry (negative control)
+
+
+def test_memory_meter_sees_an_allocation_and_its_absence():
+    device = "cpu"
+    if not bench_measure.MemoryMeter(device).available:
+        pytest.skip("no glibc heap statistics here")
+    with bench_measure.MemoryMeter(device) as meter:
+        x = torch.ones(4 << 20, dtype=torch.float32)  # 16 MiB
+        y = x + 1
+        del x, y
+    assert meter.peak >= 16 << 20
+    with bench_measure.MemoryMeter(device) as idle:
+        torch.zeros(16).sum()
+    assert idle.peak < 4 << 20
+
+
+def test_kernel_recorder_counts_calls_and_restores_the_providers():
+    from fused.plan import load_provider
+
+    torch_provider = load_provider("torch")[0]
+    work = Workload("tiny", 64, dtype="float32", scope="core")
+    from parity.bench_workloads import forward_backward, make_tensors
+    import fused
+
+    step = forward_backward(fused, work.case, make_tensors(work, "cpu"), lambda: fused.use_backend("torch"))
+    with bench_measure.KernelRecorder("cpu") as rec:
+        assert "sparse_attn_fwd" in vars(torch_provider)
+        step()
+        rec.flush()
+    assert "sparse_attn_fwd" not in vars(torch_provider)
+    calls = {stage: s.calls for (stage, _p), s in rec.stats.items()}
+    assert calls["sparse_attn_fwd"] == 1 and calls["sparse_attn_bwd"] == 1
+    assert rec.total_seconds > 0
+    step()  # outside the recorder nothing is recorded (negative control)
+    assert {stage: s.calls for (stage, _p), s in rec.stats.items()} == calls
+
+
+def test_engine_phases_patch_and_restore():
+    from parity import engine, snapshot
+
+    clock = bench.PhaseClock("cpu")
+    originals = (engine.run, engine.materialize, snapshot._call, torch.autograd.grad)
+    with bench.engine_phases(clock, object()):
+        assert engine.run is not originals[0] and torch.autograd.grad is not originals[3]
+    assert (engine.run, engine.materialize, snapshot._call, torch.autograd.grad) == originals
+
+
+def _bench(**changes):
+    """A :class:`parity.bench.Bench` on the tiny profile, settings as the command line would give."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_parsers(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(["bench", "--profile", "tiny", "--tokens", "64", "--repeats", "1", "--budget-s", "0",
+                            "--quiet"])
+    settings = bench.resolve_settings(ns)
+    for k, v in changes.items():
+        setattr(settings, k, v)
+    report = bench.empty_report(settings, [])
+    return bench.Bench(settings, report, lambda _m: None)
+
+
+def test_an_out_of_memory_run_becomes_a_row_and_the_bench_goes_on(monkeypatch):
+    b = _bench()
+    work = b.workload("tiny", 64, scope="core")
+    real = bench.make_tensors
+
+    def boom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    monkeypatch.setattr(bench, "make_tensors", boom)
+    row = b.e2e(work, "reference", None)
+    assert row["status"] == "oom" and "out of memory" in row["message"]
+    monkeypatch.setattr(bench, "make_tensors", real)
+    other = b.e2e(work.with_(scope="layer"), "reference", None)
+    assert other["status"] == "ok"  # negative control: the same bench measures the next workload
+
+
+def test_budget_and_size_limits_skip_rows():
+    import time as _time
+
+    b = _bench(ref_max_tokens=32)
+    work = b.workload("tiny", 64, scope="core")
+    assert b.e2e(work, "reference", None)["status"] == "skipped"  # above --ref-max-tokens
+    assert b.e2e(work, "fused", _time.monotonic() - 1)["status"] == "skipped"  # deadline passed
+    assert b.e2e(work.with_(tokens=32), "reference", None)["status"] == "ok"  # negative control
