@@ -7,6 +7,7 @@ Every tensor of the case (parameters, inputs, output gradient) is materialised d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import shlex
@@ -107,9 +108,9 @@ class Case:
         """Canonical JSON: sorted keys, no whitespace (the id is a hash of it)."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
-    @property
+    @functools.cached_property
     def id(self) -> str:
-        """Stable 12-hex-digit id: sha256 of the canonical JSON without the cosmetic ``tags``."""
+        """Stable 12-hex-digit id: sha256 of the canonical JSON without the cosmetic ``tags`` (computed once)."""
         data = self.to_dict()
         data.pop("tags")
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))

@@ -238,9 +238,9 @@ class IndexerSparseAttnFunc(torch.autograd.Function):
             grads = [_drop_fake_batch(g) for g in grads] if thd is not None else [bshd_to_sbhd(g) for g in grads]
         elif spec.coeff > 0:
             index_for_bwd, lse_for_bwd = scores.clone(), index_lse
-            if padding is not None:
+            if padding is not None:  # score - lse = -inf: predict 0 and the log-clip mask 0, so g = 0 exactly
                 index_for_bwd = index_for_bwd.masked_fill(padding.unsqueeze(-1), 0)
-                lse_for_bwd = index_lse.masked_fill(padding, 0)
+                lse_for_bwd = index_lse.masked_fill(padding, float("inf"))
             kwargs = dict(thd_kwargs)
             if thd is not None and mutants.is_active(mutants.THD_DENSE_BWD_NO_MAX_SEQLEN):
                 kwargs.pop("max_seqlen_q"), kwargs.pop("max_seqlen_k")

@@ -39,11 +39,12 @@ def flash_mla_forward(q: Tensor, kv: Tensor, indices: Tensor, scale: float, sink
 def sparse_attention_backward(q: Tensor, kv: Tensor, out: Tensor, d_out: Tensor, lse: Tensor, sink: Tensor,
                               indices: Tensor, scale: float, topk_length: Optional[Tensor],
                               padding_rows: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """``dq, dkv, d_sink`` from the backward kernel; padding rows' ``dO`` zeroed and ``lse`` set to 0 first."""
+    """``dq, dkv, d_sink`` from the backward kernel; padding rows' ``dO`` zeroed and ``lse`` set to ``+inf`` first
+    (module docstring): they then contribute exactly 0 to every gradient."""
     d_out = d_out.contiguous()
     if padding_rows is not None and not mutants.is_active(mutants.PADDING_GRADS_NOT_ZEROED):
         d_out = d_out.masked_fill(padding_rows.view(-1, 1, 1), 0)
-        lse = lse.masked_fill(padding_rows.view(-1, 1), 0)
+        lse = lse.masked_fill(padding_rows.view(-1, 1), float("inf"))
     res = kernels.sparse_attn_bwd(q, kv, out, d_out, lse, sink, indices, softmax_scale=scale, topk_length=topk_length)
     return res["dq"], res["dkv"], res["d_sink"].to(sink.dtype)
 

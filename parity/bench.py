@@ -20,15 +20,24 @@ Sections (``--sections``, all by default):
   cases per minute, and the share of the time spent outside the two implementations' forward and backward.
 
 Targets (reported against, never asserted): smoke ≤ 2 min on 2 CPU cores; gate (≥ 200 cases) ≤ 10 min on one
-H200; the reference runs a 32K-token Pro pack on one H200 without OOM; harness overhead ≤ 15 %; fused
+H200; the reference runs a 32K-token Pro pack on one H200 without OOM (CUDA with the ``pro`` profile: a reference
+layer forward + backward on 32768 tokens in segments of ``--segment-len``); harness overhead ≤ 15 %; fused
 forward + backward ≤ 1.2 × the sum of its kernels.
 
 Timing: warm-up runs, then repeats on ``torch.cuda.Event`` pairs (CUDA) or ``perf_counter`` (CPU); memory:
-``torch.cuda.max_memory_allocated`` (CUDA) or the C heap sampled after every op in a separate run (CPU). A
-``--budget-s`` deadline (split between the sections) skips what does not fit, so one device call always ends.
+``torch.cuda.max_memory_allocated`` (CUDA) or the C heap sampled after every op in a separate run (CPU). On the
+CPU the bench runs with one intra-op thread (``--threads``): on a shared 2-core machine a second OpenMP thread
+makes timings bimodal (a barrier waits for a descheduled thread). A ``--budget-s`` deadline (split between the
+sections; the harness sizes its second batch of cases by the first's pace) skips what does not fit, so one device
+call always ends; so do ``--ref-max-tokens`` and out-of-memory failures, each reported as a row status.
 
 Output: a rich table on the terminal, machine-readable JSON (``--json PATH``; schema ``dsv4-parity-bench/1``, see
 :func:`empty_report`) and a PNG of the scaling and end-to-end plots next to it.
+
+Modules: this one (options, sections, targets, the command), :mod:`.bench_workloads` (what runs),
+:mod:`.bench_measure` (timers, memory meters, kernel recorder, budget), :mod:`.bench_flops` (model FLOPs),
+:mod:`.bench_scaling` (slopes and findings), :mod:`.bench_harness` (engine phases), :mod:`.bench_output` (schema,
+tables, plot).
 """
 
 from __future__ import annotations
@@ -36,13 +45,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import inspect
 import json
-import math
 import os
 import platform
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -54,12 +60,14 @@ import torch
 from cases.errors import CaseError
 
 from .bench_flops import H200_BF16_PEAK_TFLOPS, kernel_flops, tflops
+from .bench_harness import harness_throughput
 from .bench_measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_memory, is_oom, synchronize,
                             time_call)
+from .bench_output import SCHEMA, jsonable, render_tables, write_plot
+from .bench_scaling import findings_from_fits, fit_series, function_series
 from .bench_workloads import (LAYOUTS, LOSSES, StageCall, Workload, clear_caches, forward_backward,
                               fused_compressor_stage, make_tensors, reference_stages, tensor_bytes)
 
-SCHEMA = "dsv4-parity-bench/1"
 SECTIONS = ("e2e", "stages", "scaling", "harness")
 #: Share of the remaining budget each section may use when it starts (the last one takes what is left).
 SECTION_SHARE = {"e2e": 0.45, "stages": 0.35, "scaling": 0.45, "harness": 1.0}
@@ -513,7 +521,7 @@ class Bench:
             label.pop("tokens")
             scaling["series"].append({"name": name, "impl": "reference", "kind": "forward+backward",
                                       "function": None, "workload": label, "points": points})
-        for name, function, build in _function_series(self.s.ratio):
+        for name, function, build in function_series(self.s.ratio):
             points = []
             for tokens in self.s.tokens:
                 work = self.workload(profile, tokens, layout="seq", loss="dense")
@@ -548,304 +556,12 @@ class Bench:
 
     # ---- harness
     def run_harness(self) -> None:
-        self.budget.section(SECTION_SHARE["harness"])
+        deadline = self.budget.section(SECTION_SHARE["harness"])
         try:
-            self.report["harness"] = harness_throughput(self.s, self.log)
+            self.report["harness"] = harness_throughput(self.s, self.log, deadline)
         except Exception as exc:  # noqa: BLE001
             self.report["harness"] = {"suite": self.s.harness_suite, "status": _status_of(exc),
                                       "message": _one_line(exc)}
-
-
-# ---- reference functions' memory ----------------------------------------------------------------------------------
-def _function_series(ratio: int) -> list[tuple[str, str, Callable]]:
-    """Reference functions whose memory vs T is checked: (series name, function path, builder).
-
-    A builder returns ``(run, output_bytes)``; ``run()`` is measured by a :class:`MemoryMeter` (peak above the
-    start, and ``retained``: still in use after it, i.e. its outputs and what autograd saved for the backward)."""
-    from .bench_workloads import _resolve
-
-    def inputs(work: Workload, device: str):
-        c = work.config
-        S, n, D = work.tokens, c.num_attention_heads, c.v_head_dim
-        nI, dI = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
-        n_comp = S // 4
-        gen = torch.Generator(device=device).manual_seed(2)
-        dt = work.case.torch_dtype
-
-        def r(*shape):
-            return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dt)
-
-        return c, S, n, D, nI, dI, n_comp, r
-
-    def teacher(work: Workload, device: str):
-        c, S, n, D, nI, dI, n_comp, r = inputs(work, device)
-        f = _resolve("reference.indexer_loss:indexer_kl_rows")
-        scores = torch.randn((1, S, n_comp), device=device)
-        q, kv, comp = r(1, S, n, D), r(1, S, D), r(1, n_comp, D)
-        sink = torch.zeros(n, device=device)
-
-        def run():
-            with torch.no_grad():
-                return f(scores, None, q, kv, comp, sink, c)
-
-        return run, 4 * S
-
-    def scores_saved(work: Workload, device: str):
-        c, S, n, D, nI, dI, n_comp, r = inputs(work, device)
-        f = _resolve("reference.indexer:index_scores")
-        q, k, w = (t.requires_grad_(True) for t in (r(1, S, nI, dI), r(1, n_comp, dI), r(1, S, nI)))
-        return (lambda: f(q, k, w, c.indexer_softmax_scale, ratio=4)), 4 * S * n_comp
-
-    def attention_saved(work: Workload, device: str):
-        c, S, n, D, nI, dI, n_comp, r = inputs(work, device)
-        f = _resolve("reference.sparse_attention:sparse_attention")
-        win = _resolve("reference.sparse_attention:window_indices")
-        K = c.dsa_indexer_topk
-        comp_ids = torch.arange(K, device=device).view(1, 1, K).expand(1, S, K)
-        visible = ((torch.arange(S, device=device) + 1) // 4).view(1, S, 1)
-        comp_ids = torch.where(comp_ids < visible, comp_ids + S, -1)
-        ids = torch.cat((win(S, c.csa_window_size, device).view(1, S, -1), comp_ids), dim=-1)
-        q = r(1, S, n, D).requires_grad_(True)
-        kv_full = r(1, S + n_comp, D).requires_grad_(True)
-        sink = torch.zeros(n, device=device, requires_grad=True)
-        return (lambda: f(q, kv_full, ids, sink, c.softmax_scale)), (S * n * D * q.element_size() + 4 * S * n)
-
-    out = [("dense-loss teacher (no grad): peak", "reference.indexer_loss:indexer_kl_rows", teacher)]
-    if ratio == 4:
-        out.append(("indexer scores with autograd: retained", "reference.indexer:index_scores", scores_saved))
-    out.append(("sparse attention with autograd: retained", "reference.sparse_attention:sparse_attention",
-                attention_saved))
-    return out
-
-
-def _slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
-    """Least-squares slope of log(y) on log(x)."""
-    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x and y and x > 0 and y > 0]
-    if len(pts) < 2:
-        return None
-    mx = sum(p[0] for p in pts) / len(pts)
-    my = sum(p[1] for p in pts) / len(pts)
-    den = sum((p[0] - mx) ** 2 for p in pts)
-    return None if den == 0 else sum((p[0] - mx) * (p[1] - my) for p in pts) / den
-
-
-def _verdict(slope: Optional[float]) -> str:
-    if slope is None:
-        return "n/a"
-    if slope < 1.25:
-        return "linear"
-    if slope < 1.75:
-        return "superlinear"
-    return "quadratic"
-
-
-def fit_series(series: list[dict]) -> list[dict]:
-    """Log-log slope of time and memory of every series over its measured points."""
-    fits = []
-    for s in series:
-        ok = [p for p in s["points"] if p.get("status") == "ok"]
-        metrics = ("time_ms", "peak_mem_bytes") if s["kind"] != "function memory" else (
-            "retained_bytes" if "retained" in s["name"] else "peak_mem_bytes",)
-        for metric in metrics:
-            pts = [p for p in ok if p.get(metric)]
-            slope = _slope([p["tokens"] for p in pts], [p[metric] for p in pts])
-            fits.append({"series": s["name"], "metric": metric, "slope": slope, "points": len(pts),
-                         "verdict": _verdict(slope)})
-    return fits
-
-
-def _where(function: str) -> Optional[str]:
-    from .bench_workloads import _resolve
-
-    try:
-        obj = _resolve(function)
-        path = Path(inspect.getsourcefile(obj)).resolve()
-        line = inspect.getsourcelines(obj)[1]
-        try:
-            path = path.relative_to(Path.cwd().resolve())
-        except ValueError:
-            pass
-        return f"{path}:{line}"
-    except (ImportError, AttributeError, TypeError, OSError):
-        return None
-
-
-def findings_from_fits(series: list[dict], fits: list[dict]) -> list[dict]:
-    """A function whose memory grows faster than linearly in T is a finding (it is not chunked, or autograd keeps
-    a ``T × T`` tensor); so is a forward + backward series whose memory is not linear."""
-    by_name = {s["name"]: s for s in series}
-    out = []
-    for fit in fits:
-        s = by_name[fit["series"]]
-        if fit["metric"] == "time_ms" or fit["slope"] is None or fit["slope"] < 1.5:
-            continue
-        pts = [p for p in s["points"] if p.get("status") == "ok" and p.get(fit["metric"])]
-        last = pts[-1] if pts else {}
-        msg = (f"{fit['series']}: {fit['metric']} grows as T^{fit['slope']:.2f} "
-               f"({last.get(fit['metric'])} bytes at T={last.get('tokens')})")
-        if s.get("function"):
-            out.append({"kind": "memory superlinear in T", "function": s["function"],
-                        "where": _where(s["function"].split(" ")[0]), "message": msg})
-        elif "fixed segments" in s["name"]:
-            out.append({"kind": "memory superlinear in T", "function": None, "where": None, "message": msg})
-    return out
-
-
-# ---- harness throughput ---------------------------------------------------------------------------------------------
-class PhaseClock:
-    """Accumulates seconds per phase name; nested phases of the same clock are not double counted."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.seconds: dict[str, float] = {}
-        self.role: Optional[str] = None
-        self._grad_depth = 0
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
-
-    def timed(self, phase: str, fn: Callable) -> Callable:
-        def wrapper(*args, **kwargs):
-            synchronize(self.device)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                synchronize(self.device)
-                self.add(phase, time.perf_counter() - t0)
-
-        return wrapper
-
-
-@contextlib.contextmanager
-def _patched(target: Any, name: str, value: Any):
-    old = getattr(target, name)
-    setattr(target, name, value)
-    try:
-        yield
-    finally:
-        setattr(target, name, old)
-
-
-@contextlib.contextmanager
-def engine_phases(clock: PhaseClock, impl_api: Any):
-    """Time the engine's phases in this process (restored on exit): ``materialize``; ``<role> forward`` /
-    ``<role> backward`` (role ``impl``, ``truth`` = float64 reference, ``noise`` = same-dtype reference);
-    ``snapshot`` (leaf copies and mutation checks around them); ``compare`` (structure rules, metrics, verdict);
-    ``rows`` (building the result rows), ``write`` (writing them), ``environment`` (the run row's versions)."""
-    from . import engine, environment, results, snapshot, structure, verdict
-
-    real_run, real_call, real_grad = engine.run, snapshot._call, torch.autograd.grad
-
-    def run(module, case, tensors, *args, **kwargs):
-        clock.role = "impl" if module is impl_api else ("truth" if kwargs.get("upcast") else "noise")
-        t0 = time.perf_counter()
-        try:
-            return real_run(module, case, tensors, *args, **kwargs)
-        finally:
-            synchronize(clock.device)
-            clock.add("snapshot", time.perf_counter() - t0)  # the forward / backward parts are subtracted below
-            clock.role = None
-
-    def call(*args, **kwargs):
-        role = clock.role or "other"
-        return clock.timed(f"{role} forward", real_call)(*args, **kwargs)
-
-    def grad(*args, **kwargs):
-        if clock.role is None or clock._grad_depth:
-            return real_grad(*args, **kwargs)
-        clock._grad_depth += 1
-        try:
-            return clock.timed(f"{clock.role} backward", real_grad)(*args, **kwargs)
-        finally:
-            clock._grad_depth -= 1
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(engine, "run", run))
-        stack.enter_context(_patched(engine, "materialize", clock.timed("materialize", engine.materialize)))
-        stack.enter_context(_patched(snapshot, "_call", call))
-        stack.enter_context(_patched(torch.autograd, "grad", grad))
-        stack.enter_context(_patched(structure, "check", clock.timed("compare", structure.check)))
-        stack.enter_context(_patched(verdict, "judge_case_tensors",
-                                     clock.timed("compare", verdict.judge_case_tensors)))
-        stack.enter_context(_patched(verdict, "case_decision", clock.timed("compare", verdict.case_decision)))
-        stack.enter_context(_patched(results.ResultsWriter, "write",
-                                     clock.timed("write", results.ResultsWriter.write)))
-        stack.enter_context(_patched(results.CaseResult, "rows", clock.timed("rows", results.CaseResult.rows)))
-        stack.enter_context(_patched(environment, "environment",
-                                     clock.timed("environment", environment.environment)))
-        yield
-    impl_parts = sum(v for k, v in clock.seconds.items() if k.endswith(" forward") or k.endswith(" backward"))
-    clock.seconds["snapshot"] = max(clock.seconds.get("snapshot", 0.0) - impl_parts, 0.0)
-
-
-def _spread(cases: list, limit: int) -> list:
-    """``limit`` cases spread evenly over the suite (all when ``limit`` ≤ 0 or ≥ the suite)."""
-    if limit <= 0 or limit >= len(cases):
-        return list(cases)
-    step = len(cases) / limit
-    return [cases[int(i * step)] for i in range(limit)]
-
-
-def harness_throughput(s: Settings, log: Callable[[str], None]) -> dict:
-    """Run ``s.harness_suite`` (or ``harness_limit`` of its cases) in-process and time the engine's phases."""
-    from cases.suites import load_suite
-
-    from .engine import RunOptions
-    from .impls import load
-    from .runner import RunConfig, run
-
-    clock = PhaseClock(s.device)
-    t0 = time.perf_counter()
-    suite = load_suite(s.harness_suite)
-    clock.add("load suite", time.perf_counter() - t0)
-    cases = _spread(suite, s.harness_limit)
-    options = RunOptions(impl="fused", against="reference", provider=s.provider, device=s.device)
-    impl = load("fused")
-    with tempfile.TemporaryDirectory(prefix="dsv4-bench-") as tmp:
-        out_dir = Path(tmp) / "run"
-        config = RunConfig(suite=s.harness_suite, options=options, out_dir=out_dir, isolate="none", quiet=True,
-                           run_id="bench", argv=["dsv4-parity", "bench"])
-        t0 = time.perf_counter()
-        with engine_phases(clock, impl.api):
-            counts, _code = run(cases, config)
-        total = time.perf_counter() - t0
-        report_s = None
-        if s.harness_report:
-            report_s = _time_report(out_dir)
-    phases = {k: round(v, 4) for k, v in sorted(clock.seconds.items())}
-    run_phases = {k: v for k, v in clock.seconds.items() if k != "load suite"}
-    implementation = sum(v for k, v in run_phases.items() if k.endswith(" forward") or k.endswith(" backward"))
-    phases["other (runner loop, case JSON, progress)"] = round(max(total - sum(run_phases.values()), 0.0), 4)
-    per_case = total / max(len(cases), 1)
-    out = {"suite": s.harness_suite, "status": "ok", "cases": len(cases), "suite_cases": len(suite),
-           "isolation": "none (in-process)", "total_s": round(total, 3), "cases_per_min": 60.0 * len(cases) / total,
-           "phases": phases, "implementation_s": round(implementation, 4),
-           "overhead_s": round(total - implementation, 4), "overhead_share": (total - implementation) / total,
-           "report_s": report_s, "suite_estimate_s": round(per_case * len(suite) + clock.seconds["load suite"], 2),
-           "counts": counts}
-    log(f"harness {s.harness_suite}: {len(cases)} cases in {total:.1f} s, overhead {out['overhead_share']:.1%}")
-    return out
-
-
-def _time_report(out_dir: Path) -> Optional[float]:
-    """Seconds to render the run's report through the reports plug-in (``None`` if it is not installed)."""
-    import importlib
-
-    try:
-        mod = importlib.import_module("reports.commands")
-    except ImportError:
-        return None
-    render = getattr(mod, "render_run", None)
-    if not callable(render):
-        return None
-    t0 = time.perf_counter()
-    try:
-        with contextlib.redirect_stdout(open(os.devnull, "w")):
-            render(out_dir, quiet=True)
-    except Exception:  # noqa: BLE001 — the report is optional here
-        return None
-    return round(time.perf_counter() - t0, 3)
 
 
 # ---- targets ------------------------------------------------------------------------------------------------------------
@@ -923,229 +639,6 @@ def pro_pack_probe(bench: Bench, deadline: Optional[float]) -> Optional[dict]:
             "time_ms": row["time"]["median_ms"]}
 
 
-# ---- schema -------------------------------------------------------------------------------------------------------------
-STATUSES = {"ok", "oom", "error", "unsupported", "skipped", "absent"}
-_E2E_FIELDS = {"profile": str, "tokens": int, "layout": str, "scope": str, "impl": str, "status": str,
-               "message": str, "time": dict, "flops": (int, float), "tflops": (int, float, type(None)),
-               "peak_fraction": (int, float, type(None)), "peak_mem_bytes": (int, type(None)),
-               "inputs_bytes": (int, type(None))}
-_STAGE_SIDE = {"status": str, "time_ms": (int, float, type(None)), "tflops": (int, float, type(None)),
-               "peak_mem_bytes": (int, type(None))}
-_TARGET_STATUSES = {"met", "missed", "not measured"}
-
-
-def check_schema(report: Any) -> list[str]:
-    """Problems with a bench JSON document (empty list: it follows ``dsv4-parity-bench/1``)."""
-    problems: list[str] = []
-
-    def need(obj: Any, fields: dict, where: str) -> None:
-        if not isinstance(obj, dict):
-            problems.append(f"{where}: not an object")
-            return
-        for name, kind in fields.items():
-            if name not in obj:
-                problems.append(f"{where}.{name}: missing")
-            elif not isinstance(obj[name], kind) or isinstance(obj[name], bool):
-                problems.append(f"{where}.{name}: {type(obj[name]).__name__} is not {kind}")
-        if isinstance(obj.get("status"), str) and obj["status"] not in STATUSES | _TARGET_STATUSES:
-            problems.append(f"{where}.status: unknown status {obj['status']!r}")
-
-    need(report, {"schema": str, "created": str, "settings": dict, "env": dict, "machine": dict, "e2e": list,
-                  "stages": list, "scaling": dict, "targets": list, "findings": list, "skipped": list}, "report")
-    if problems:
-        return problems
-    if report["schema"] != SCHEMA:
-        problems.append(f"report.schema: {report['schema']!r} is not {SCHEMA!r}")
-    for i, row in enumerate(report["e2e"]):
-        need(row, _E2E_FIELDS, f"e2e[{i}]")
-        if isinstance(row, dict) and isinstance(row.get("time"), dict):
-            need(row["time"], {"median_ms": (int, float, type(None)), "repeats": int}, f"e2e[{i}].time")
-            if row.get("status") == "ok" and row["time"].get("median_ms") is None:
-                problems.append(f"e2e[{i}]: status ok without a time")
-    for i, row in enumerate(report["stages"]):
-        need(row, {"profile": str, "tokens": int, "group": str, "fused": dict, "reference": dict}, f"stages[{i}]")
-        for side in ("fused", "reference"):
-            if isinstance(row, dict) and isinstance(row.get(side), dict):
-                need(row[side], {"status": str}, f"stages[{i}].{side}")
-                if row[side].get("status") == "ok":
-                    need(row[side], _STAGE_SIDE, f"stages[{i}].{side}")
-    need(report["scaling"], {"series": list, "fits": list}, "scaling")
-    for i, s in enumerate(report["scaling"].get("series", [])):
-        need(s, {"name": str, "impl": str, "kind": str, "points": list}, f"scaling.series[{i}]")
-        for j, p in enumerate(s.get("points", []) if isinstance(s, dict) else []):
-            need(p, {"tokens": int, "status": str}, f"scaling.series[{i}].points[{j}]")
-    for i, f in enumerate(report["scaling"].get("fits", [])):
-        need(f, {"series": str, "metric": str, "slope": (int, float, type(None)), "verdict": str},
-             f"scaling.fits[{i}]")
-    h = report.get("harness")
-    if h is not None:
-        need(h, {"suite": str, "status": str}, "harness")
-        if isinstance(h, dict) and h.get("status") == "ok":
-            need(h, {"cases": int, "suite_cases": int, "total_s": (int, float), "cases_per_min": (int, float),
-                     "phases": dict, "overhead_share": (int, float), "suite_estimate_s": (int, float),
-                     "counts": dict}, "harness")
-    for i, t in enumerate(report["targets"]):
-        need(t, {"name": str, "target": str, "status": str, "note": str}, f"targets[{i}]")
-        if isinstance(t, dict) and t.get("status") not in _TARGET_STATUSES:
-            problems.append(f"targets[{i}].status: {t.get('status')!r}")
-    for i, f in enumerate(report["findings"]):
-        need(f, {"kind": str, "message": str}, f"findings[{i}]")
-    return problems
-
-
-# ---- output ------------------------------------------------------------------------------------------------------------
-def _ms(x: Optional[float]) -> str:
-    if x is None:
-        return "—"
-    return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
-
-
-def _mib(x: Optional[int]) -> str:
-    return "—" if x is None else f"{x / 2 ** 20:,.1f}"
-
-
-def _tf(x: Optional[float]) -> str:
-    return "—" if x is None else (f"{x:.3g}" if x >= 0.01 else f"{x:.2e}")
-
-
-def render_tables(report: dict, console=None) -> None:
-    """The report as rich tables."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console(width=None if sys.stdout.isatty() else 170)
-    env, m = report["env"], report["machine"]
-    console.print(f"[bold]dsv4-parity bench[/] — {env.get('gpu') or m.get('processor')} · "
-                  f"{m.get('cpus_allowed', m.get('cpu_count'))} cores · load {m.get('load_avg')} · torch "
-                  f"{env.get('torch')} · peak {report.get('peak_tflops') or 'n/a'} TFLOP/s · "
-                  f"{report.get('duration_s')} s")
-    peak = report.get("peak_tflops")
-    if report["e2e"]:
-        t = Table(title="End to end: forward + backward (time = median; memory = peak above inputs)")
-        for col in ("profile", "T", "layout", "scope", "impl", "status", "ms", "TFLOP/s",
-                    "% peak" if peak else "", "MiB", "kernels ms", "ratio"):
-            if col:
-                t.add_column(col, justify="right" if col not in ("profile", "layout", "scope", "impl", "status")
-                             else "left")
-        for r in report["e2e"]:
-            cells = [r["profile"], str(r["tokens"]), r["layout"], r["scope"], r["impl"], r["status"],
-                     _ms(r["time"]["median_ms"]), _tf(r["tflops"])]
-            if peak:
-                cells.append("—" if r["peak_fraction"] is None else f"{100 * r['peak_fraction']:.1f}")
-            cells += [_mib(r["peak_mem_bytes"]), _ms(r.get("kernel_sum_ms")),
-                      "—" if not r.get("composition_ratio") else f"{r['composition_ratio']:.2f}"]
-            t.add_row(*cells)
-        console.print(t)
-    if report["stages"]:
-        t = Table(title="Stages: fused kernels (in the core-scope run) vs the reference stage alone")
-        for col in ("profile", "T", "stage", "fused ms", "fused TFLOP/s", "fused MiB", "ref ms", "ref TFLOP/s",
-                    "ref MiB", "ref/fused"):
-            t.add_column(col, justify="left" if col in ("profile", "stage") else "right")
-        for r in report["stages"]:
-            f, g = r["fused"], r["reference"]
-            t.add_row(r["profile"], str(r["tokens"]), r["group"],
-                      _ms(f.get("time_ms")) if f.get("status") == "ok" else f.get("status", "—"),
-                      _tf(f.get("tflops")), _mib(f.get("peak_mem_bytes")),
-                      _ms(g.get("time_ms")) if g.get("status") == "ok" else g.get("status", "—"),
-                      _tf(g.get("tflops")), _mib(g.get("peak_mem_bytes")),
-                      "—" if not r.get("speedup") else f"{r['speedup']:.2f}")
-        console.print(t)
-    fits = report["scaling"]["fits"]
-    if fits:
-        t = Table(title="Scaling with T (log-log slope; 1 = linear, 2 = quadratic)")
-        for col in ("series", "metric", "slope", "points", "verdict"):
-            t.add_column(col, justify="left" if col in ("series", "metric", "verdict") else "right")
-        for f in fits:
-            t.add_row(f["series"], f["metric"], "—" if f["slope"] is None else f"{f['slope']:.2f}",
-                      str(f["points"]), f["verdict"])
-        console.print(t)
-    h = report.get("harness")
-    if h and h.get("status") == "ok":
-        t = Table(title=f"Harness: {h['cases']}/{h['suite_cases']} {h['suite']} cases in {h['total_s']} s — "
-                        f"{h['cases_per_min']:.1f} cases/min, overhead {h['overhead_share']:.1%}")
-        t.add_column("phase")
-        t.add_column("s", justify="right")
-        t.add_column("share", justify="right")
-        for k, v in h["phases"].items():
-            t.add_row(k, f"{v:.3f}", f"{v / h['total_s']:.1%}" if k != "load suite" else "")
-        if h.get("report_s") is not None:
-            t.add_row("report rendering (after the run)", f"{h['report_s']:.3f}", "")
-        console.print(t)
-    elif h:
-        console.print(f"harness: {h.get('status')} {h.get('message')}")
-    if report["targets"]:
-        t = Table(title="Targets (reported, never asserted)")
-        for col in ("target", "goal", "measured", "status", "note"):
-            t.add_column(col, overflow="fold")
-        for x in report["targets"]:
-            style = {"met": "green", "missed": "red"}.get(x["status"], "yellow")
-            t.add_row(x["name"], x["target"], f"{x['measured']} {x['unit']}" if x["measured"] is not None else "—",
-                      f"[{style}]{x['status']}[/]", x["note"])
-        console.print(t)
-    for f in report["findings"]:
-        console.print(f"[bold red]finding[/] {f['function'] or ''} {f['where'] or ''}: {f['message']}")
-    if report["skipped"]:
-        console.print(f"skipped: {len(report['skipped'])} item(s) (see the JSON)")
-
-
-def write_plot(report: dict, path: Path) -> Optional[Path]:
-    """Log-log plots (scaling: reference time and memory vs T; e2e: fused vs reference time) as one PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    for s in report["scaling"]["series"]:
-        pts = [p for p in s["points"] if p.get("status") == "ok"]
-        if s["kind"] == "forward+backward":
-            xs = [p["tokens"] for p in pts if p.get("time_ms")]
-            axes[0].plot(xs, [p["time_ms"] for p in pts if p.get("time_ms")], "o-", label=s["name"])
-        metric = "retained_bytes" if "retained" in s["name"] else "peak_mem_bytes"
-        mp = [p for p in pts if p.get(metric)]
-        axes[1].plot([p["tokens"] for p in mp], [p[metric] / 2 ** 20 for p in mp], "o-", label=s["name"])
-    for (profile, scope, impl) in sorted({(r["profile"], r["scope"], r["impl"]) for r in report["e2e"]}):
-        pts = [r for r in report["e2e"] if (r["profile"], r["scope"], r["impl"]) == (profile, scope, impl)
-               and r["status"] == "ok" and r["layout"] == report["settings"]["layout"]]
-        if pts:
-            axes[2].plot([r["tokens"] for r in pts], [r["time"]["median_ms"] for r in pts],
-                         "o-" if impl == "fused" else "s--", label=f"{impl} {profile} {scope}")
-    for ax in axes:  # a dotted "∝ T" guide through the first point of the first line
-        lines = ax.get_lines()
-        if lines and len(lines[0].get_xdata()) > 1:
-            xs, ys = list(lines[0].get_xdata()), list(lines[0].get_ydata())
-            ax.plot([xs[0], xs[-1]], [ys[0], ys[0] * xs[-1] / xs[0]], ":", color="gray", label="∝ T")
-    titles = ("reference fwd+bwd time vs T", "memory vs T (MiB)", "end to end fwd+bwd time vs T")
-    for ax, title in zip(axes, titles):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(title)
-        ax.set_xlabel("tokens T")
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    axes[0].set_ylabel("ms")
-    axes[2].set_ylabel("ms")
-    fig.suptitle(f"dsv4-parity bench — {report['env'].get('gpu') or report['machine'].get('processor')}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
-
-
 # ---- command ------------------------------------------------------------------------------------------------------------
 def run_bench(settings: Settings, argv: Sequence[str] = (), log: Optional[Callable[[str], None]] = None) -> dict:
     """Measure every selected section; returns the report (the JSON document)."""
@@ -1178,12 +671,14 @@ def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], 
     free_memory(settings.device)
     report["targets"] = evaluate_targets(report, settings)
     report["duration_s"] = round(time.perf_counter() - start, 2)
-    return _jsonable(report)
+    return jsonable(report)
 
 
 def default_json_path() -> Path:
+    from .runner import DEFAULT_OUT_ROOT
+
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("reports") / "out" / "bench" / f"bench-{stamp}.json"
+    return DEFAULT_OUT_ROOT / "bench" / f"bench-{stamp}.json"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -1197,7 +692,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not settings.quiet:
             print(f"bench: {msg}", file=sys.stderr, flush=True)
 
-    report = run_bench(settings, sys.argv, log)
+    report = run_bench(settings, ["dsv4-parity", *getattr(args, "argv", sys.argv[1:])], log)
     path = Path(args.json) if args.json else default_json_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")

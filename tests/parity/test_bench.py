@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cases.errors import CaseError
-from parity import bench, bench_flops, bench_measure
+from parity import bench, bench_flops, bench_harness, bench_measure, bench_output, bench_scaling
 from parity.bench_workloads import Workload
 from parity.cli import main as cli_main
 
@@ -32,8 +32,8 @@ def test_bench_runs_and_writes_json_and_plot(small_run):
     assert code == 0
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert bench.check_schema(report) == []
-    assert report["schema"] == bench.SCHEMA
+    assert bench_output.check_schema(report) == []
+    assert report["schema"] == bench_output.SCHEMA
     assert report["settings"]["tokens"] == [64, 128] and report["settings"]["device"] in ("cpu", "cuda")
 
 
@@ -69,7 +69,7 @@ def test_check_schema_rejects_broken_reports(small_run):
     r = copy.deepcopy(good); r["targets"][0]["status"] = "great"; broken.append(r)          # noqa: E702
     r = copy.deepcopy(good); del r["harness"]["overhead_share"]; broken.append(r)           # noqa: E702
     for i, doc in enumerate(broken):
-        assert bench.check_schema(doc), f"corruption {i} not reported"
+        assert bench_output.check_schema(doc), f"corruption {i} not reported"
 
 
 @pytest.mark.parametrize("argv, field", [(["--profile", "huge"], "profile"), (["--tokens", "12x"], "tokens"),
@@ -88,9 +88,9 @@ def test_parse_tokens():
 
 def test_slope_classifies_linear_and_quadratic():
     xs = [256, 512, 1024, 2048]
-    assert bench._verdict(bench._slope(xs, [3.0 * x for x in xs])) == "linear"
-    assert bench._verdict(bench._slope(xs, [x * x for x in xs])) == "quadratic"  # negative control
-    assert bench._slope([256], [1.0]) is None
+    assert bench_scaling._verdict(bench_scaling._slope(xs, [3.0 * x for x in xs])) == "linear"
+    assert bench_scaling._verdict(bench_scaling._slope(xs, [x * x for x in xs])) == "quadratic"  # negative control
+    assert bench_scaling._slope([256], [1.0]) is None
 
 
 def test_findings_name_a_quadratic_function_and_not_a_linear_one():
@@ -100,7 +100,7 @@ def test_findings_name_a_quadratic_function_and_not_a_linear_one():
 
     all_series = [series("a: retained", "reference.indexer:index_scores", [1, 4, 16]),
                   series("b: retained", "reference.sparse_attention:sparse_attention", [1, 2, 4])]
-    found = bench.findings_from_fits(all_series, bench.fit_series(all_series))
+    found = bench_scaling.findings_from_fits(all_series, bench_scaling.fit_series(all_series))
     assert [f["function"] for f in found] == ["reference.indexer:index_scores"]
     assert "reference/indexer.py:" in found[0]["where"]
 
@@ -155,9 +155,13 @@ def test_kernel_recorder_counts_calls_and_restores_the_providers():
         assert "sparse_attn_fwd" in vars(torch_provider)
         step()
         rec.flush()
+        once = {stage: s.calls for (stage, _p), s in rec.stats.items()}
+        step()
+        rec.flush()
     assert "sparse_attn_fwd" not in vars(torch_provider)
+    assert once["sparse_attn_fwd"] >= 1 and once["sparse_attn_bwd"] >= 1
     calls = {stage: s.calls for (stage, _p), s in rec.stats.items()}
-    assert calls["sparse_attn_fwd"] == 1 and calls["sparse_attn_bwd"] == 1
+    assert calls == {stage: 2 * n for stage, n in once.items()}
     assert rec.total_seconds > 0
     step()  # outside the recorder nothing is recorded (negative control)
     assert {stage: s.calls for (stage, _p), s in rec.stats.items()} == calls
@@ -166,9 +170,9 @@ def test_kernel_recorder_counts_calls_and_restores_the_providers():
 def test_engine_phases_patch_and_restore():
     from parity import engine, snapshot
 
-    clock = bench.PhaseClock("cpu")
+    clock = bench_harness.PhaseClock("cpu")
     originals = (engine.run, engine.materialize, snapshot._call, torch.autograd.grad)
-    with bench.engine_phases(clock, object()):
+    with bench_harness.engine_phases(clock, object()):
         assert engine.run is not originals[0] and torch.autograd.grad is not originals[3]
     assert (engine.run, engine.materialize, snapshot._call, torch.autograd.grad) == originals
 
@@ -212,3 +216,64 @@ def test_budget_and_size_limits_skip_rows():
     assert b.e2e(work, "reference", None)["status"] == "skipped"  # above --ref-max-tokens
     assert b.e2e(work, "fused", _time.monotonic() - 1)["status"] == "skipped"  # deadline passed
     assert b.e2e(work.with_(tokens=32), "reference", None)["status"] == "ok"  # negative control
+
+
+class _FakeCudaAllocator:
+    """Stands in for the CUDA caching allocator's statistics and events, so the CUDA branches run on a CPU."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+        self.events = 0
+
+    def alloc(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n):
+        self.allocated -= n
+
+    def install(self, monkeypatch):
+        import time as _time
+
+        alloc = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                alloc.events += 1
+                self.t = _time.perf_counter()
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3
+
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: alloc.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: alloc.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: setattr(alloc, "peak", alloc.allocated))
+
+
+def test_cuda_memory_windows_keep_the_outer_peak_across_resets(monkeypatch):
+    fake = _FakeCudaAllocator()
+    fake.install(monkeypatch)
+    fake.alloc(1000)  # the inputs: below the meter's start
+    with bench_measure.MemoryMeter("cuda") as meter:
+        fake.alloc(300)
+        with meter.window() as w:  # resets the allocator's peak: the outer one must survive it
+            fake.alloc(200)
+            fake.free(200)
+        with meter.window() as idle:
+            pass
+        fake.free(300)
+    assert (meter.peak, w.peak, idle.peak, meter.retained) == (500, 200, 0, 0)
+
+
+def test_cuda_timing_uses_events(monkeypatch):
+    fake = _FakeCudaAllocator()
+    fake.install(monkeypatch)
+    timing = bench_measure.time_call(lambda: None, "cuda", warmup=1, repeats=3)
+    assert len(timing.seconds) == 3 and fake.events == 6
+    bench_measure.time_call(lambda: None, "cpu", warmup=0, repeats=2)
+    assert fake.events == 6  # negative control: the CPU clock records no event
