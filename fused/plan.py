@@ -6,7 +6,11 @@ Usage::
         out = fused.core_attention(...)
     plan.record          # {"indexer_forward": "cudnn", "sparse_attn_fwd": "flashmla", ...}
 
-``provider`` is ``"auto"``, a provider name, or a mapping ``{stage: provider}`` (stages left out are ``"auto"``).
+``provider`` is ``"auto"``, a selection name (:data:`SELECTIONS`), a provider name, or a mapping
+``{stage: provider}`` (stages left out are ``"auto"``).
+
+* ``"cudnn"`` (a selection): the production kernels — ``"auto"`` with the cuDNN DSA (``cudnn``) and FlashMLA
+  (``flashmla``) providers both **required** (below). Stages neither implements (the teacher LSE) run on ``torch``.
 
 * ``"auto"``: for each call, the first provider in :data:`PROVIDERS` order that is available, implements the stage
   and whose ``check_support`` accepts the arguments; ``torch`` (last) accepts everything.
@@ -35,6 +39,9 @@ PROVIDERS: dict[str, Union[str, type]] = {
     "cudnn": "fused.kernels.cudnn_provider:CudnnKernels",
     "torch": "fused.kernels.torch_provider:TorchKernels",
 }
+
+#: Selection names that stand for a set of required providers (what ``--provider cudnn`` means to the engine).
+SELECTIONS: dict[str, tuple[str, ...]] = {"cudnn": ("cudnn", "flashmla")}
 
 _INSTANCES: dict[str, KernelSet] = {}
 _UNAVAILABLE: dict[str, str] = {}
@@ -90,9 +97,21 @@ def load_provider(name: str) -> tuple[Optional[KernelSet], Optional[str]]:
     return _INSTANCES[name], None
 
 
+def selection_reason(name: str) -> Optional[str]:
+    """``None`` if selection / provider ``name`` can run here, else why not."""
+    if name in SELECTIONS:
+        reasons = [f"{p}: {r}" for p in SELECTIONS[name] for r in [load_provider(p)[1]] if r is not None]
+        return "; ".join(reasons) or None
+    return load_provider(name)[1]
+
+
 def available_providers() -> dict[str, Optional[str]]:
-    """name -> None if available, else the reason it is not."""
-    return {name: load_provider(name)[1] for name in PROVIDERS}
+    """Every selectable name -> ``None`` if it can run here, else the reason it cannot; **best first** (the
+    selections, then the registered providers in "auto" order, ``torch`` last). The parity engine's hook
+    (``parity/impls.py``): the usable names are ``[n for n, why in available_providers().items() if why is None]``,
+    on a CPU machine ``["torch"]``, so ``auto`` runs every stage on ``torch`` there."""
+    names = list(SELECTIONS) + [n for n in PROVIDERS if n not in SELECTIONS]
+    return {name: selection_reason(name) for name in names}
 
 
 class Plan:
@@ -111,10 +130,13 @@ class Plan:
         self.record: dict[str, str] = {}
 
     def check_required(self) -> None:
-        for name in self.require:
-            _, reason = load_provider(name)
-            if reason is not None:
-                raise BackendUnavailable(f"required provider {name!r} is unavailable: {reason}")
+        missing = {name: reason for name in self.require for reason in [load_provider(name)[1]] if reason is not None}
+        if len(missing) == 1:
+            (name, reason), = missing.items()
+            raise BackendUnavailable(f"required provider {name!r} is unavailable: {reason}")
+        if missing:
+            raise BackendUnavailable(f"required providers {', '.join(map(repr, missing))} are unavailable: "
+                                     + "; ".join(f"{n}: {r}" for n, r in missing.items()))
 
     def _choice(self, stage: str) -> str:
         return self.provider if isinstance(self.provider, str) else self.provider.get(stage, "auto")
@@ -169,6 +191,7 @@ _CURRENT: contextvars.ContextVar[Optional[Plan]] = contextvars.ContextVar("fused
 #: Plans of the open ``use_backend`` blocks, process-wide: autograd runs CUDA backward passes on its own device
 #: threads, which do not inherit the caller's context variables; they see the innermost open block through this.
 _ACTIVE: list[Plan] = []
+_LAST: list[Plan] = []  # the most recently opened block (:func:`executed`)
 
 
 def current_plan() -> Plan:
@@ -177,9 +200,15 @@ def current_plan() -> Plan:
 
 @contextlib.contextmanager
 def use_backend(provider: Union[str, Mapping[str, str]] = "auto", require: tuple = ()) -> Iterator[Plan]:
-    """Run the fused path under a new :class:`Plan` (see the module docstring); yields the plan."""
-    plan = Plan(provider, tuple(require))
+    """Run the fused path under a new :class:`Plan` (see the module docstring); yields the plan.
+
+    A selection name (``"cudnn"``) becomes ``"auto"`` with its providers added to ``require``."""
+    require = tuple(require)
+    if isinstance(provider, str) and provider in SELECTIONS:
+        provider, require = "auto", tuple(dict.fromkeys(SELECTIONS[provider] + require))
+    plan = Plan(provider, require)
     plan.check_required()
+    _LAST[:] = [plan]
     token = _CURRENT.set(plan)
     _ACTIVE.append(plan)
     try:
@@ -187,6 +216,11 @@ def use_backend(provider: Union[str, Mapping[str, str]] = "auto", require: tuple
     finally:
         _ACTIVE.remove(plan)
         _CURRENT.reset(token)
+
+
+def executed() -> dict[str, str]:
+    """``{stage: provider}`` that ran in the most recently opened :func:`use_backend` block (empty if none)."""
+    return dict(_LAST[0].record) if _LAST else {}
 
 
 class _Kernels:

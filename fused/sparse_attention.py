@@ -4,6 +4,11 @@
 ``-1``, add the ``h_kv = 1`` axis); :class:`SparseAttnFunc` is ``CSASparseAttnFunc`` (Paths A and C), with the
 padding-row handling of Path B applied in every path: a padding row's ``dO`` and ``lse`` are masked before the
 backward kernel, so it sends no gradient anywhere, and under compaction it keeps one placeholder slot.
+
+The mask is ``dO = 0`` and ``lse = +inf``: ``+inf`` is the kernels' own "no probability mass" value (the FlashMLA
+forward returns it for a row without keys; the cuDNN backward maps it to ``P = 0`` and ``p_sink = 0``), so the row's
+logits never reach an ``exp`` unbounded. A finite mask value (0) leaves ``exp(logit - 0)``, which overflows on large
+padding rows (core scope: their q / kv are arbitrary), and ``0 · inf = NaN`` reaches the real gradients.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ examples:
   dsv4-parity run --case '{"config": {...}, "layout": {...}}'
   dsv4-parity run --suite smoke --oracle thd-pack --impl reference
   dsv4-parity run --out reports/out/latest --resume   # continue a killed run
+  dsv4-parity run --suite nightly --workers auto      # one worker per visible GPU, one merged results.jsonl
 
 outcomes: pass, fail (numeric or structural), error (exception, CUDA fault, crashed worker), unsupported (the
 implementation declined the case, or it needs a GPU). The exit code is 1 iff a case failed or errored.
@@ -73,8 +74,16 @@ def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--junit", type=Path, metavar="PATH", help="also write JUnit XML here")
     p.add_argument("--isolate", default="auto", choices=("auto", "none", "worker", "case"),
                    help="process isolation: none (in-process), worker (a child replaced after any error), case "
-                        "(a fresh child per case); auto = worker on GPU, none on CPU")
+                        "(a fresh child per case); auto = worker on GPU or with --workers > 1, none otherwise")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case in a worker (default 1800)")
+    p.add_argument("--workers", default="1", metavar="N|auto",
+                   help="worker processes sharing the cases (default 1 = as without sharding); auto = one per "
+                        "visible CUDA device (1 on CPU). On CUDA each worker is pinned to one GPU "
+                        "(CUDA_VISIBLE_DEVICES); on CPU each uses one thread. Cases go most expensive first to "
+                        "the next idle worker; the parent writes the one results.jsonl")
+    p.add_argument("--threads", type=int, metavar="T",
+                   help="intra-op threads per worker (default: 1 per CPU worker, cores/N per GPU worker, "
+                        "unchanged for one worker). CPU results are bitwise reproducible only at equal T")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no per-case lines")
 
 
@@ -181,6 +190,7 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
                          link_override: Optional[Path] = None) -> tuple[dict, int, Path, Optional[Path]]:
     from .results import summary_line
     from .runner import RunConfig, new_run_id, point_link, resolve_out_dir, run
+    from .shard import parse_workers
 
     label, cases = select_cases(args)
     if oracle:
@@ -197,7 +207,8 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
     config = RunConfig(suite=label, options=_options(args), out_dir=out_dir, oracle=oracle, resume=args.resume,
                        isolate=args.isolate, timeout=args.timeout, junit=args.junit,
                        argv=["dsv4-parity", *getattr(args, "argv", sys.argv[1:])],
-                       run_id=run_id, quiet=args.quiet)
+                       run_id=run_id, quiet=args.quiet, workers=parse_workers(getattr(args, "workers", "1")),
+                       threads=getattr(args, "threads", None))
     counts, code = run(cases, config)
     if link is not None:
         point_link(link, out_dir)
@@ -348,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
         parsers = cases_cmd.add_parsers(sub, predicate_factory=shrink_predicate) or {}
         if "shrink" in parsers:
             _add_common(parsers["shrink"])
-    for module in ("reports.commands", "parity.mutants_cmd", "parity.bench"):
+    for module in ("reports.commands", "parity.mutants_cmd", "parity.bench", "parity.compare_runs"):
         mod = _plugin(module)
         if mod is not None and hasattr(mod, "add_parsers"):
             mod.add_parsers(sub)

@@ -8,6 +8,11 @@
 * ``resume``: keeps the finished cases of an existing ``results.jsonl`` and runs only the others;
 * isolation ``none`` (in-process, the CPU default), ``worker`` (a child process replaced after any error or crash,
   the GPU default) or ``case`` (a fresh child per case);
+* ``workers`` (``--workers N|auto``, :mod:`parity.shard`): N child processes, on CUDA one per visible GPU (each
+  pinned with ``CUDA_VISIBLE_DEVICES``), fed from one queue ordered by estimated cost; the parent alone writes the
+  one ``results.jsonl`` as cases finish (completion order). The ``run`` row records ``workers``, ``devices`` and
+  ``threads``; every ``case`` row the ``worker`` (slot index) and ``device`` (``cpu`` / ``cuda:<token>``) it ran
+  on. With one worker the run is what it was before sharding (suite order, same isolation);
 * prints a progress bar (rich) and one line per case that did not pass, then
   ``N cases: P passed, F failed, E errors, U unsupported``; returns 1 iff a case failed or errored.
 """
@@ -21,12 +26,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 from cases.case import Case
 
 from . import results as R
+from . import shard
 from .engine import RunOptions, run_case
+from .shard import Slot
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_ROOT = REPO / "reports" / "out"
@@ -123,6 +130,8 @@ class RunConfig:
     argv: Sequence[str] = ()
     run_id: str = ""
     quiet: bool = False
+    workers: Union[int, str] = 1  # N or "auto" (parity.shard.resolve_workers)
+    threads: Optional[int] = None  # intra-op threads per worker (default: parity.shard.plan_slots)
 
 
 class _Progress:
@@ -162,16 +171,36 @@ class _Progress:
             self.bar.stop()
 
 
-def _isolation(config: RunConfig) -> str:
+def _isolation(config: RunConfig, workers: int) -> str:
+    if config.isolate == "none" and workers > 1:
+        from cases.errors import CaseError
+
+        raise CaseError("isolate", f"'none' runs in this process and cannot use {workers} workers "
+                                   "(use --isolate worker or case, or --workers 1)")
     if config.isolate != "auto":
         return config.isolate
-    return "worker" if config.options.torch_device() == "cuda" else "none"
+    return "worker" if config.options.torch_device() == "cuda" or workers > 1 else "none"
+
+
+def _tag(rows: list[dict], slot: Slot) -> list[dict]:
+    """Record on the ``case`` row which worker / device ran it (additive fields)."""
+    rows[0]["worker"] = slot.index
+    rows[0]["device"] = slot.device
+    return rows
 
 
 def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     """Run ``cases``; returns ``(counts, exit code)``."""
     from .environment import environment
 
+    device = config.options.torch_device()
+    workers = shard.resolve_workers(config.workers, device)
+    mode = _isolation(config, workers)  # usage errors before anything is written
+    if config.threads is not None and config.threads < 1:
+        from cases.errors import CaseError
+
+        raise CaseError("threads", f"must be a positive integer, got {config.threads}")
+    slots = shard.plan_slots(workers, device, threads=config.threads)
     out_dir = config.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.jsonl"
@@ -179,7 +208,12 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     if not config.resume and path.exists():
         path.unlink()
     todo = [c for c in cases if c.id not in existing.outcomes]
+    if workers > 1:
+        todo = shard.by_cost(todo, device)  # the shared queue: most expensive first (LPT)
     outcomes = dict(existing.outcomes)
+    threads_before = _set_threads(config.threads) if mode == "none" else None
+    # intra-op threads of the processes running the cases (None: a child's own default)
+    threads = slots[0].threads if mode != "none" else _set_threads(None)
     started = time.perf_counter()
     writer = R.ResultsWriter(path)
     if existing.run_row is None:
@@ -188,34 +222,41 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
                        "against": f"oracle:{config.oracle}" if config.oracle else opts.against,
                        "provider": _run_provider(opts),
                        "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                       "argv": list(config.argv), "env": environment(opts.torch_device()),
-                       "options": asdict(opts)}])
+                       "argv": list(config.argv), "env": environment(device),
+                       "options": asdict(opts), "workers": workers, "devices": [s.device for s in slots],
+                       "threads": threads}])
     if config.resume and existing.outcomes:
         print(f"resuming: {len(existing.outcomes)} cases already done, {len(todo)} to run", file=sys.stderr)
-    mode = _isolation(config)
-    pool = None
-    if mode in ("worker", "case"):
-        from .worker import WorkerPool
-
-        pool = WorkerPool(timeout=config.timeout, fresh=(mode == "case"))
     progress = _Progress(len(todo), config.quiet)
+    pool = None
+
+    def request(case: Case) -> dict:
+        return {"case": case.to_dict(), "options": asdict(config.options), "oracle": config.oracle}
+
+    def finished(case: Case, rows: list[dict], slot: Slot) -> None:
+        writer.write(_tag(rows, slot))
+        outcomes[case.id] = rows[0]["outcome"]
+        progress.done(rows[0])
+
     try:
-        for case in todo:
-            progress.starting(case)
-            request = {"case": case.to_dict(), "options": asdict(config.options), "oracle": config.oracle}
-            if pool is None:
-                rows = execute(request)
-            else:
-                rows, why = pool.submit(request)
-                if rows is None:
-                    rows = error_rows(case, config.options, why)
-            writer.write(rows)
-            outcomes[case.id] = rows[0]["outcome"]
-            progress.done(rows[0])
+        if mode == "none":
+            for case in todo:
+                progress.starting(case)
+                finished(case, execute(request(case)), slots[0])
+        else:
+            from .worker import WorkerPool
+
+            pool = WorkerPool(slots[:max(1, min(workers, len(todo)))], timeout=config.timeout,
+                              fresh=(mode == "case"))
+            for done in pool.run(((c, request(c)) for c in todo), on_start=lambda c, _: progress.starting(c)):
+                rows = done.rows if done.rows is not None else error_rows(done.key, config.options, done.why)
+                finished(done.key, rows, done.slot)
     finally:
         progress.close()
         if pool is not None:
             pool.close()
+        if threads_before is not None:
+            _set_threads(threads_before)
     counts = R.counts(outcomes.values())
     writer.write([{"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}])
     writer.close()
@@ -225,6 +266,16 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
         write_junit(path, config.junit)
     code = 1 if counts["fail"] or counts["error"] else 0
     return counts, code
+
+
+def _set_threads(threads: Optional[int]) -> int:
+    """Set this process's intra-op thread count (``None``: leave it); returns the count before."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return before
 
 
 def _run_provider(options: RunOptions) -> str:

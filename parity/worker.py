@@ -1,14 +1,18 @@
-"""Case isolation: cases run in a child process so that a crash or a sticky CUDA error fails one case only.
+"""Case isolation: cases run in child processes so that a crash or a sticky CUDA error fails one case only.
 
 The child (``python -m parity.worker``) reads one request per line on stdin, ``{"case": {...}, "options": {...},
 "oracle": null | name}``, runs it with :func:`parity.runner.execute` and answers one line on its protocol channel:
 ``@@dsv4-parity@@ <JSON list of result rows>``. Anything the libraries print goes to stderr (fd 1 is redirected),
-so the channel stays clean.
+so the channel stays clean. ``DSV4_PARITY_THREADS`` in its environment sets its intra-op thread count.
 
-:class:`WorkerPool` (one child at a time) sends a case, waits up to ``timeout`` seconds, and turns a dead or hung
-child into an ``error`` result with the tail of its stderr. With ``fresh=True`` every case gets a new child;
-otherwise a child is reused until a case ends in ``error`` (the CUDA context may be poisoned) — so a sticky fault
-still costs exactly one case, without paying process start-up and kernel JIT per case.
+:class:`WorkerPool` keeps one child per :class:`parity.shard.Slot` (a device and an environment: the slot's
+``CUDA_VISIBLE_DEVICES`` pin and thread counts). :meth:`WorkerPool.run` hands the jobs out in the given order, each
+to the next idle slot, and yields every job as it finishes — so a parent writing them as they come keeps all
+finished cases when it is killed. Each job gets ``timeout`` seconds; a dead or hung child becomes that job's
+``error`` (with the tail of the child's stderr) and the slot's next job starts a fresh child. With ``fresh=True``
+every case gets a new child; otherwise a child is reused until a case ends in ``error`` (the CUDA context may be
+poisoned) — so a sticky fault still costs exactly one case, without paying process start-up and kernel JIT per
+case.
 """
 
 from __future__ import annotations
@@ -20,30 +24,52 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 MARK = "@@dsv4-parity@@ "
 REPO = Path(__file__).resolve().parents[1]
+THREADS_ENV = "DSV4_PARITY_THREADS"
 
 
-class WorkerPool:
-    def __init__(self, timeout: float = 1800.0, fresh: bool = False):
-        self.timeout = timeout
-        self.fresh = fresh
+@dataclass
+class Finished:
+    """A job's end: ``rows`` (the child's answer) or ``None`` and ``why`` (crash, timeout); ``slot`` ran it."""
+
+    key: Any
+    rows: Optional[list]
+    why: str
+    slot: Any
+
+
+class Worker:
+    """One child process serving one slot; started lazily, replaced after a crash or an ``error`` answer."""
+
+    def __init__(self, slot, command: Optional[Sequence[str]] = None):
+        self.slot = slot
+        self.command = list(command) if command else [sys.executable, "-m", "parity.worker"]
         self.proc: Optional[subprocess.Popen] = None
         self.stderr = None
+        self.started = 0  # processes started for this slot (replacements included)
 
-    # ---- child management --------------------------------------------------------------------------------------
-    def _start(self) -> None:
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        self.stop()
         self.stderr = tempfile.TemporaryFile()
         env = dict(os.environ)
+        env.update(getattr(self.slot, "env", None) or {})
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen([sys.executable, "-m", "parity.worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, cwd=str(REPO), env=env,
                                      text=True, bufsize=1)
+        self.started += 1
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """End the child: EOF on its stdin (it exits after the current case), killed if it lingers."""
         if self.proc is not None:
             if self.proc.poll() is None:
                 try:
@@ -52,18 +78,23 @@ class WorkerPool:
                 except (OSError, subprocess.TimeoutExpired):
                     self.proc.kill()
                     self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
             self.proc = None
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
 
-    def _kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+    def kill(self) -> None:
+        if self.alive:
             self.proc.kill()
             self.proc.wait()
-        self._stop()
+        self.stop()
 
-    def _stderr_tail(self, limit: int = 1500) -> str:
+    def stderr_tail(self, limit: int = 1500) -> str:
         if self.stderr is None:
             return ""
         self.stderr.seek(0, os.SEEK_END)
@@ -72,45 +103,118 @@ class WorkerPool:
         text = self.stderr.read().decode("utf-8", "replace")
         return " | ".join(line.strip() for line in text.strip().splitlines()[-8:])
 
-    def close(self) -> None:
-        self._stop()
-
-    # ---- one case --------------------------------------------------------------------------------------------------
-    def submit(self, request: dict) -> tuple[Optional[list], str]:
-        """``(rows, "")`` on an answer, else ``(None, why)`` (crash or timeout; the child is gone)."""
-        if self.proc is None or self.proc.poll() is not None:
-            self._stop()
-            self._start()
+    def send(self, request: dict) -> str:
+        """Start the child if needed and send one request; ``""`` on success, else why it failed (child gone)."""
+        if not self.alive:
+            self.start()
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            why = f"worker died before the case (exit {self.proc.poll()}): {self._stderr_tail()}"
-            self._kill()
-            return None, why
-        deadline = time.monotonic() + self.timeout
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+            why = f"worker died before the case (exit {self.proc.poll()}): {self.stderr_tail()}"
+            self.kill()
+            return why
+        return ""
+
+    def receive(self) -> Optional[tuple[Optional[list], str]]:
+        """Read the answer once stdout is readable: ``(rows, "")``, ``(None, why)`` if the child died or garbled
+        its answer (the caller kills it), or ``None`` for a stray non-protocol line (keep waiting)."""
+        line = self.proc.stdout.readline()
+        if not line.endswith("\n"):  # EOF (or a line torn by the death of the child)
+            try:
+                code = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = "unknown: it closed its output"
+            return None, f"worker crashed (exit code {code}): {self.stderr_tail()}"
+        if not line.startswith(MARK):
+            return None
         try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    why = f"timed out after {self.timeout:g} s (worker killed): {self._stderr_tail()}"
-                    self._kill()
-                    return None, why
-                if not sel.select(timeout=min(left, 5.0)):
+            return json.loads(line[len(MARK):]), ""
+        except json.JSONDecodeError as exc:
+            return None, f"worker sent an unreadable answer ({exc.msg}): {self.stderr_tail()}"
+
+
+class WorkerPool:
+    """Children for ``slots`` (see the module docstring); ``timeout`` seconds per case."""
+
+    def __init__(self, slots: Sequence = (None,), timeout: float = 1800.0, fresh: bool = False,
+                 command: Optional[Sequence[str]] = None):
+        self.workers = [Worker(slot, command) for slot in slots]  # command: the child (tests use a fake)
+        self.timeout = timeout
+        self.fresh = fresh
+        self._busy: dict[int, tuple[Any, float, Any]] = {}  # worker index -> (key, deadline, registered pipe)
+
+    @property
+    def started(self) -> int:
+        """Child processes started so far, replacements included."""
+        return sum(w.started for w in self.workers)
+
+    def close(self) -> None:
+        """Kill the children still running a case (an aborted run); stop the idle ones (EOF, in parallel)."""
+        for i in list(self._busy):
+            self.workers[i].kill()
+        self._busy.clear()
+        for w in self.workers:
+            if w.alive:
+                try:
+                    w.proc.stdin.close()
+                except OSError:
+                    pass
+        for w in self.workers:
+            w.stop()
+
+    def run(self, jobs: Iterable[tuple[Any, dict]],
+            on_start: Optional[Callable[[Any, Any], None]] = None) -> Iterator[Finished]:
+        """Run ``(key, request)`` jobs, dispatched in order to idle slots; yield each :class:`Finished` as it
+        ends (completion order). ``on_start(key, slot)`` is called as a job is handed out."""
+        queue = list(jobs)[::-1]  # pop() takes the next job
+        busy = self._busy
+        sel = selectors.DefaultSelector()
+
+        def release(i: int) -> Any:
+            key, _, pipe = busy.pop(i)
+            sel.unregister(pipe)  # before the child (and so the pipe) may be closed
+            return key
+
+        try:
+            while queue or busy:
+                for i, w in enumerate(self.workers):
+                    if not queue:
+                        break
+                    if i in busy:
+                        continue
+                    key, request = queue.pop()
+                    if on_start is not None:
+                        on_start(key, w.slot)
+                    why = w.send(request)
+                    if why:
+                        yield Finished(key, None, why, w.slot)
+                        continue
+                    busy[i] = (key, time.monotonic() + self.timeout, w.proc.stdout)
+                    sel.register(w.proc.stdout, selectors.EVENT_READ, i)
+                if not busy:
                     continue
-                line = self.proc.stdout.readline()
-                if not line:  # EOF: the child died
-                    code = self.proc.wait()
-                    why = f"worker crashed (exit code {code}): {self._stderr_tail()}"
-                    self._stop()
-                    return None, why
-                if line.startswith(MARK):
-                    rows = json.loads(line[len(MARK):])
-                    if self.fresh or (rows and rows[0].get("outcome") == "error"):
-                        self._stop()
-                    return rows, ""
+                wait = min(deadline for _, deadline, _ in busy.values()) - time.monotonic()
+                for event, _ in sel.select(timeout=min(max(wait, 0.0), 5.0)):
+                    i = event.data
+                    w = self.workers[i]
+                    answer = w.receive()
+                    if answer is None:
+                        continue
+                    rows, why = answer
+                    key = release(i)
+                    if rows is None:
+                        w.kill()
+                    elif self.fresh or (rows and rows[0].get("outcome") == "error"):
+                        w.stop()  # a poisoned CUDA context must not run the next case
+                    yield Finished(key, rows, why, w.slot)
+                now = time.monotonic()
+                for i in [i for i, (_, deadline, _) in busy.items() if deadline <= now]:
+                    w = self.workers[i]
+                    key = release(i)
+                    why = f"timed out after {self.timeout:g} s (worker killed): {w.stderr_tail()}"
+                    w.kill()
+                    yield Finished(key, None, why, w.slot)
         finally:
             sel.close()
 
@@ -119,10 +223,14 @@ def main() -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # library prints go to stderr
     sys.stdout = sys.stderr
+    import torch
+
     from .engine import configure_torch
     from .runner import execute  # imported after the redirect: importing torch may print
 
     configure_torch()
+    if os.environ.get(THREADS_ENV):
+        torch.set_num_threads(max(1, int(os.environ[THREADS_ENV])))
 
     for line in sys.stdin:
         if not line.strip():
@@ -131,7 +239,8 @@ def main() -> int:
         rows = execute(request)
         proto.write(MARK + json.dumps(rows, separators=(",", ":"), allow_nan=False) + "\n")
         proto.flush()
-    return 0
+    sys.stderr.flush()
+    os._exit(0)  # EOF: nothing left to save; skipping interpreter teardown (torch, CUDA) frees the slot sooner
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from cases.layout import PackedSeqParams
 from . import thd
 from .compressor import INDEXER_PREFIX, compress_with_params
 from .hadamard import rotate_activation
-from .numerics import compute_dtype, row_chunks
+from .numerics import compute_dtype, per_block, row_chunks
 from .params import get_param
 from .rope import apply_rope, layer_inv_freq
 
@@ -50,23 +50,30 @@ def indexer_weights(hidden: torch.Tensor, w_proj: torch.Tensor) -> torch.Tensor:
     return (hidden @ w_proj.t()) * w_proj.shape[0] ** -0.5
 
 
+def score_rows(q: torch.Tensor, kf: torch.Tensor, w: torch.Tensor, scale: float, visible: torch.Tensor
+               ) -> torch.Tensor:
+    """One row block of :func:`index_scores`: ``q [B, s, nI, dI]``, ``kf [B, 1, n_comp, dI]`` (compute dtype),
+    ``w [B, s, nI]``, ``visible [s]`` visible entry counts -> ``I [B, s, n_comp]``."""
+    n_comp = kf.shape[2]
+    dots = q.to(kf.dtype) @ kf.transpose(-1, -2)  # [B, s, nI, n_comp]
+    head_weights = (w.to(kf.dtype) * scale).unsqueeze(-1)
+    scores = (torch.relu(dots) * head_weights).sum(dim=2)
+    valid = torch.arange(n_comp, device=q.device) < visible.unsqueeze(-1)
+    return scores.masked_fill(~valid, float("-inf"))
+
+
 def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float, ratio: int = 4) -> torch.Tensor:
     """``I [B, S, n_comp]`` (float32 / float64) with ``-inf`` on causally invalid entries.
 
-    ``q [B, S, nI, dI]``, ``k [B, n_comp, dI]``, ``w [B, S, nI]``; ``scale = sigmaI``. Computed over row blocks.
+    ``q [B, S, nI, dI]``, ``k [B, n_comp, dI]``, ``w [B, S, nI]``; ``scale = sigmaI``. Computed over row blocks
+    (:func:`numerics.per_block`: the graph keeps no ``ReLU(dots) [B, s, nI, n_comp]``, it is recomputed in backward).
     """
     B, S, _, _ = q.shape
     n_comp = k.shape[1]
     work = compute_dtype(q.dtype)
     kf = k.to(work).unsqueeze(1)  # [B, 1, n_comp, dI]
     visible = visible_compressed_count(S, ratio, n_comp, q.device)
-    blocks = []
-    for rows in row_chunks(S):
-        dots = q[:, rows].to(work) @ kf.transpose(-1, -2)  # [B, s, nI, n_comp]
-        head_weights = (w[:, rows].to(work) * scale).unsqueeze(-1)
-        scores = (torch.relu(dots) * head_weights).sum(dim=2)
-        valid = torch.arange(n_comp, device=q.device) < visible[rows].unsqueeze(-1)
-        blocks.append(scores.masked_fill(~valid, float("-inf")))
+    blocks = [per_block(score_rows, q[:, rows], kf, w[:, rows], scale, visible[rows]) for rows in row_chunks(S)]
     if not blocks:
         return q.new_zeros((B, 0, n_comp), dtype=work)
     return torch.cat(blocks, dim=1)
@@ -79,7 +86,7 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     padded with ``-1`` at the end; a row has ``min(k, #finite scores)`` real entries.
     """
     n_comp = scores.shape[-1]
-    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    order = torch.sort(scores.detach(), dim=-1, descending=True, stable=True)  # ids only: no graph
     take = min(k, n_comp)
     ids = torch.where(torch.isneginf(order.values[..., :take]), n_comp, order.indices[..., :take])
     ids = torch.sort(ids, dim=-1).values  # ascending, the n_comp sentinels last

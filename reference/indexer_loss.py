@@ -24,7 +24,7 @@ import torch
 from cases.config import ModelConfig
 
 from .indexer import visible_compressed_count
-from .numerics import FP32_TINY, compute_dtype, row_chunks
+from .numerics import FP32_TINY, compute_dtype, per_block, row_chunks
 from .sparse_attention import gather_rows, window_indices
 
 
@@ -64,13 +64,38 @@ def teacher_target(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
     return head_sum / head_sum.sum(dim=-1, keepdim=True).clamp_min(FP32_TINY)
 
 
+def kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], query: torch.Tensor, compressed: torch.Tensor,
+            lse_nc: torch.Tensor, visible: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """One row block of :func:`indexer_kl_rows`: ``KL_t [B, s]`` from ``index_scores [B, s, n_comp]``, ``topk
+    [B, s, K]`` (``None``: dense), ``query [B, s, n, D]``, ``compressed [B, n_comp, D]``, ``lse_nc [B, s, n]`` and
+    the visible entry counts ``visible [s]``. The candidates' keys are gathered here, inside the block."""
+    B, s, n_comp = index_scores.shape
+    if topk is None:  # dense: every valid entry, keys shared by the rows of the block
+        ids = torch.arange(n_comp, device=query.device).expand(B, s, n_comp)
+        keys = compressed.unsqueeze(1)
+        predict = index_scores
+    else:
+        ids = topk
+        keys = gather_rows(compressed, ids.clamp(max=n_comp - 1))
+        predict = torch.gather(index_scores, -1, ids.clamp(min=0, max=n_comp - 1))
+    valid = (ids >= 0) & (ids < visible.unsqueeze(-1))
+    target = teacher_target(query, keys, valid, lse_nc, softmax_scale)
+    row_valid = valid.any(dim=-1, keepdim=True)
+    predict = predict.masked_fill(~valid, float("-inf"))
+    log_q = torch.log_softmax(torch.where(row_valid, predict, 0.0), dim=-1)
+    log_t = torch.log(target.clamp_min(FP32_TINY))
+    terms = torch.where(valid, target * (log_t - torch.where(valid, log_q, 0.0)), 0.0)
+    return terms.sum(dim=-1)
+
+
 def indexer_kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], query: torch.Tensor, kv: torch.Tensor,
                     compressed: torch.Tensor, attn_sink: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """``KL_t [B, S]`` per query row of BSHD sequences (module docstring).
 
     ``index_scores [B, S, n_comp]`` (with gradient: the student); ``topk [B, S, K]`` local ids for the sparse loss,
     ``None`` for the dense loss; ``query [B, S, n, D]``, ``kv [B, S, D]``, ``compressed [B, n_comp, D]``,
-    ``attn_sink [n]``: the teacher, detached here.
+    ``attn_sink [n]``: the teacher, detached here. Row blocks run through :func:`numerics.per_block`: the graph
+    keeps no per-block target or log-probabilities, and the teacher is evaluated again in backward.
     """
     B, S, n_comp = index_scores.shape
     if n_comp == 0:
@@ -79,25 +104,9 @@ def indexer_kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], qu
     scale = config.softmax_scale
     lse_nc = window_sink_lse(query, kv, attn_sink, config.csa_window_size, scale)
     visible = visible_compressed_count(S, 4, n_comp, query.device)
-    all_ids = torch.arange(n_comp, device=query.device)
-    blocks = []
-    for rows in row_chunks(S):
-        if topk is None:  # dense: every valid entry, keys shared by the rows of the block
-            ids = all_ids.expand(B, rows.stop - rows.start, n_comp)
-            keys = compressed.unsqueeze(1)
-            predict = index_scores[:, rows]
-        else:
-            ids = topk[:, rows]
-            keys = gather_rows(compressed, ids.clamp(max=n_comp - 1))
-            predict = torch.gather(index_scores[:, rows], -1, ids.clamp(min=0, max=n_comp - 1))
-        valid = (ids >= 0) & (ids < visible[rows].unsqueeze(-1))
-        target = teacher_target(query[:, rows], keys, valid, lse_nc[:, rows], scale)
-        row_valid = valid.any(dim=-1, keepdim=True)
-        predict = predict.masked_fill(~valid, float("-inf"))
-        log_q = torch.log_softmax(torch.where(row_valid, predict, 0.0), dim=-1)
-        log_t = torch.log(target.clamp_min(FP32_TINY))
-        terms = torch.where(valid, target * (log_t - torch.where(valid, log_q, 0.0)), 0.0)
-        blocks.append(terms.sum(dim=-1))
+    blocks = [per_block(kl_rows, index_scores[:, rows], None if topk is None else topk[:, rows], query[:, rows],
+                        compressed, lse_nc[:, rows], visible[rows], scale)
+              for rows in row_chunks(S)]
     return torch.cat(blocks, dim=1)
 
 

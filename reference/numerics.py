@@ -8,16 +8,27 @@ Precision (ARCHITECTURE.md "Conventions"):
 Chunking: the sparse attention, the indexer scores and the loss teacher work on blocks of ``ROW_CHUNK`` query rows,
 so the memory of one block is ``ROW_CHUNK x (keys of a row)`` and never ``rows x rows``. Tests lower ``ROW_CHUNK``
 to check that the result does not depend on it.
+
+Recomputation: each block runs through :func:`per_block`, which wraps it in ``torch.utils.checkpoint`` (autograd's
+own recomputation, non-reentrant). The graph then keeps only a block's inputs (views of tensors that exist anyway)
+and its outputs; the block's intermediates (gathered keys ``[B, s, keys, D]``, logits and probabilities
+``[B, s, n, keys]``, the indexer's ``ReLU(dots) [B, s, nI, n_comp]``) are rebuilt from them during backward, one
+block at a time. Every gradient still comes from autograd, and the numbers are bit-identical with or without it.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 ROW_CHUNK = 256
 """Query rows per block in the chunked stages (any value >= 1 gives the same numbers)."""
+
+CHECKPOINT_BLOCKS = True
+"""Recompute each block's intermediates in backward instead of saving them (:func:`per_block`). Same numbers either
+way; ``False`` keeps every intermediate in the graph (tests use it as the memory probe's negative control)."""
 
 FP32_TINY = torch.finfo(torch.float32).tiny
 """Clamp of the teacher's L1 normaliser and of log(target) (spec §5.3, non-legacy path)."""
@@ -33,3 +44,11 @@ def row_chunks(rows: int) -> Iterator[slice]:
     step = max(1, int(ROW_CHUNK))
     for start in range(0, rows, step):
         yield slice(start, min(rows, start + step))
+
+
+def per_block(block: Callable, *args):
+    """``block(*args)`` for one row block. Under autograd with :data:`CHECKPOINT_BLOCKS`, the graph saves only
+    ``args`` and the outputs; ``block`` runs again during backward to rebuild what its own backward needs."""
+    if CHECKPOINT_BLOCKS and torch.is_grad_enabled():
+        return checkpoint(block, *args, use_reentrant=False)
+    return block(*args)

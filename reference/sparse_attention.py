@@ -8,14 +8,15 @@ For one sequence with ``kv_full = [kv (S rows); compressed entries (n_comp rows)
     lse[i, h] = logsumexp_k l[h, k]                                          (WITHOUT the sink, FlashMLA convention)
 
 A row whose key set is empty gives ``o = 0`` and ``lse = -inf``. Keys are gathered per block of query rows, so memory
-grows with ``rows x |U|``, never ``rows x rows``.
+grows with ``rows x |U|``, never ``rows x rows``; with block recomputation (:mod:`.numerics`) the autograd graph keeps
+only ``out`` and ``lse`` of a row, not its gathered keys.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .numerics import compute_dtype, row_chunks
+from .numerics import compute_dtype, per_block, row_chunks
 
 
 def window_indices(seq_len: int, window: int, device=None) -> torch.Tensor:
@@ -47,30 +48,41 @@ def gather_rows(kv_full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return kv_full[batch, ids.clamp(min=0)]
 
 
+def attend_rows(query: torch.Tensor, kv_full: torch.Tensor, ids: torch.Tensor, sink: torch.Tensor,
+                softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row block of :func:`sparse_attention`: ``query [B, s, n, D]``, ``ids [B, s, k]``, ``sink [1, 1, n, 1]``
+    (compute dtype) -> ``(out [B, s, n, D], lse [B, s, n])``."""
+    B, s, n, _ = query.shape
+    work = sink.dtype
+    keys = gather_rows(kv_full, ids).to(work)                        # [B, s, k, D]
+    logits = (query.to(work) @ keys.transpose(-1, -2)) * softmax_scale  # [B, s, n, k]
+    present = (ids >= 0).unsqueeze(2)                                # [B, s, 1, k]
+    logits = logits.masked_fill(~present, float("-inf"))
+    # the full normaliser includes the sink, so it is finite even for a row without keys
+    normaliser = torch.logsumexp(torch.cat((logits, sink.expand(B, s, n, 1)), dim=-1), dim=-1)
+    probs = torch.exp(logits - normaliser.unsqueeze(-1))
+    out = (probs @ keys).to(query.dtype)
+    has_key = present.any(dim=-1)                                    # [B, s, 1]
+    safe = torch.where(has_key.unsqueeze(-1), logits, 0.0)           # no -inf-only rows inside logsumexp
+    return out, torch.where(has_key, torch.logsumexp(safe, dim=-1), float("-inf"))
+
+
 def sparse_attention(query: torch.Tensor, kv_full: torch.Tensor, indices: torch.Tensor, attn_sink: torch.Tensor,
                      softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, S, n, D] in query.dtype, lse [B, S, n] float32/64)`` of the sink softmax (module docstring).
 
     ``query [B, S, n, D]``; ``kv_full [B, N, D]``; ``indices [B, S, width]`` ids into ``kv_full``, ``-1`` = no key
-    (duplicates are not expected); ``attn_sink [n]``.
+    (duplicates are not expected); ``attn_sink [n]``. Row blocks run through :func:`numerics.per_block`, so the
+    graph keeps no gathered keys or logits (they are recomputed block by block in backward).
     """
     B, S, n, D = query.shape
     work = compute_dtype(query.dtype)
     sink = attn_sink.to(work).view(1, 1, n, 1)
     outs, lses = [], []
     for rows in row_chunks(S):
-        ids = indices[:, rows]                                       # [B, s, k]
-        keys = gather_rows(kv_full, ids).to(work)                    # [B, s, k, D]
-        logits = (query[:, rows].to(work) @ keys.transpose(-1, -2)) * softmax_scale  # [B, s, n, k]
-        present = (ids >= 0).unsqueeze(2)                            # [B, s, 1, k]
-        logits = logits.masked_fill(~present, float("-inf"))
-        # the full normaliser includes the sink, so it is finite even for a row without keys
-        normaliser = torch.logsumexp(torch.cat((logits, sink.expand(B, logits.shape[1], n, 1)), dim=-1), dim=-1)
-        probs = torch.exp(logits - normaliser.unsqueeze(-1))
-        outs.append((probs @ keys).to(query.dtype))
-        has_key = present.any(dim=-1)                                # [B, s, 1]
-        safe = torch.where(has_key.unsqueeze(-1), logits, 0.0)       # no -inf-only rows inside logsumexp
-        lses.append(torch.where(has_key, torch.logsumexp(safe, dim=-1), float("-inf")))
+        out, lse = per_block(attend_rows, query[:, rows], kv_full, indices[:, rows], sink, softmax_scale)
+        outs.append(out)
+        lses.append(lse)
     if not outs:
         return query.new_zeros((B, 0, n, D)), query.new_zeros((B, 0, n), dtype=work)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)

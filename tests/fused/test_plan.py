@@ -133,3 +133,84 @@ def test_gpu_providers_are_optional_imports():
     assert reasons["torch"] is None
     if not torch.cuda.is_available():
         assert reasons["cudnn"] is not None and reasons["flashmla"] is not None
+
+
+# ---- the parity engine's hooks on the fused module (parity/impls.py) ------------------------------------------------
+def test_available_providers_lists_every_selection_best_first_with_reasons():
+    reasons = fused.available_providers()
+    assert list(reasons)[0] == "cudnn" and list(reasons)[-1] == "torch"
+    assert set(plan_mod.PROVIDERS) <= set(reasons)
+    usable = [name for name, why in reasons.items() if why is None]
+    assert usable[-1] == "torch"
+    if not torch.cuda.is_available():  # the engine's "auto" then runs every stage on torch
+        assert usable == ["torch"]
+        assert "flashmla" in reasons["cudnn"] and "cudnn" in reasons["cudnn"]  # the production pair, both named
+
+
+class _StageKernels(TorchKernels):
+    """A provider implementing one stage only (the torch math), available or not."""
+
+    stages = frozenset({"indexer_top_k"})
+    missing = False
+
+    @classmethod
+    def unavailable_reason(cls):
+        return "not installed here" if cls.missing else None
+
+
+class _TopkA(_StageKernels):
+    name = "topk_a"
+
+
+class _TopkB(_StageKernels):
+    name = "topk_b"
+    stages = frozenset({"compactify"})
+
+
+@pytest.fixture
+def pair_selection(monkeypatch):
+    """A selection ``pair`` = two one-stage providers, as ``cudnn`` = cudnn + flashmla."""
+    monkeypatch.setattr(plan_mod, "PROVIDERS", dict(plan_mod.PROVIDERS))
+    monkeypatch.setattr(plan_mod, "SELECTIONS", {**plan_mod.SELECTIONS, "pair": ("topk_a", "topk_b")})
+    for cls in (_TopkA, _TopkB):
+        fused.register_provider(cls.name, cls)
+    yield
+    for cls in (_TopkA, _TopkB):
+        plan_mod._INSTANCES.pop(cls.name, None)
+        plan_mod._UNAVAILABLE.pop(cls.name, None)
+    _TopkB.missing = False
+
+
+def test_a_selection_requires_each_of_its_providers_and_records_what_ran(pair_selection):
+    assert fused.available_providers()["pair"] is None
+    with fused.use_backend("pair") as plan:
+        forward_backward(bshd_case(4, 1, 13))
+    assert plan.record["indexer_top_k"] == "topk_a" and plan.record["compactify"] == "topk_b"
+    assert plan.record["sparse_attn_fwd"] == "torch"  # a stage neither implements
+    assert fused.executed() == plan.record
+    # negative control: one member missing -> the selection is unavailable, never a silent fallback
+    plan_mod._INSTANCES.pop("topk_b", None)
+    _TopkB.missing = True
+    assert "topk_b: not installed here" in fused.available_providers()["pair"]
+    with pytest.raises(fused.BackendUnavailable, match="topk_b"):
+        with fused.use_backend("pair"):
+            pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_plain_fused_is_an_engine_implementation_with_providers():
+    from parity.engine import RunOptions, run_case
+    from parity.impls import ImplError, load
+
+    impl = load("fused")
+    assert impl.has_providers and impl.providers() == fused.available_providers()
+    with pytest.raises(ImplError, match="unavailable here: cudnn: .*flashmla"):
+        impl.check_provider("cudnn")
+    impl.check_provider("torch")
+    case = bshd_case(4, 1, 13, dtype="float64")
+    result = run_case(case, impl, load("reference"), RunOptions(impl="fused", provider="auto", device="cpu"))
+    assert result.outcome == "pass", result.message
+    assert result.plan and set(result.plan.values()) == {"torch"}
+    with pytest.raises(fused.BackendUnavailable, match="flashmla"):  # the engine's --provider cudnn hook
+        with fused.use_provider("cudnn"):
+            pass

@@ -1,0 +1,111 @@
+"""compare-runs: two runs agree case by case, whatever the file order, durations and workers — and any real
+difference (a metric bit, an outcome, a case set, a killed run) is told apart."""
+
+import json
+
+import pytest
+
+from parity.cli import main
+from parity.compare_runs import compare, load
+
+
+def case_rows(cid, outcome="pass", value=0.125, worker=0, duration=0.5, message=""):
+    return [
+        {"type": "case", "case_id": cid, "case": {}, "outcome": outcome, "decided_by": "aggregate",
+         "first_failure": None, "message": message, "duration_s": duration, "repro": f"repro {worker}",
+         "features": {"layout": "bshd"}, "plan": {"attention": "torch"}, "topk": None, "worker": worker,
+         "device": f"cuda:{worker}"},
+        {"type": "tensor", "case_id": cid, "tensor": "out", "tensor_class": "out", "dtype": "float32",
+         "shape": [2, 4], "verdict": "pass", "rule": "aggregate"},
+        {"type": "metric", "case_id": cid, "tensor": "out", "tensor_class": "out", "metric": "max_abs",
+         "value": value, "threshold": 1.0, "passed": True},
+        {"type": "metric", "case_id": cid, "tensor": "out", "tensor_class": "out", "metric": "nan",
+         "value": None, "threshold": None, "passed": None},
+    ]
+
+
+def write(path, blocks, *, workers=1, end=True):
+    rows = [{"type": "run", "run_id": path.name, "workers": workers}]
+    for block in blocks:
+        rows += block
+    if end:
+        rows.append({"type": "end", "counts": {}, "duration_s": 10.0 / workers})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def single(tmp_path):
+    return write(tmp_path / "one", [case_rows("a"), case_rows("b", value=3e-7), case_rows("c", outcome="fail")])
+
+
+def test_same_results_in_another_order_on_other_workers_agree(single, tmp_path, capsys):
+    other = write(tmp_path / "four", [case_rows("c", outcome="fail", worker=3, duration=0.1),
+                                      case_rows("a", worker=1, duration=9.0), case_rows("b", value=3e-7, worker=2)],
+                  workers=4)
+    got = compare(load(single), load(other))
+    assert got.ok and got.compared == 3 and not got.differences
+    assert main(["compare-runs", str(single), str(other / "results.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "3 cases in both, 0 differ" in out and "AGREE" in out and "wall-time ratio A/B: 4.00x" in out
+
+
+def test_one_bit_of_one_metric_is_a_difference(single, tmp_path, capsys):
+    bumped = write(tmp_path / "bumped", [case_rows("a"), case_rows("b", value=3.0000000000000004e-7),
+                                         case_rows("c", outcome="fail")])
+    got = compare(load(single), load(bumped))
+    assert not got.ok and got.differing_cases == ["b"]
+    assert got.differences[0].what == "metric out.max_abs: value"
+    assert compare(load(single), load(bumped), rel_tol=1e-12).ok  # unless a tolerance is asked for
+    assert main(["compare-runs", str(single), str(bumped)]) == 1
+    assert "DIFFER" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, what", [
+    (lambda rows: rows[0].update(outcome="fail"), "outcome"),
+    (lambda rows: rows[0].update(plan={"attention": "cudnn"}), "plan"),
+    (lambda rows: rows[1].update(verdict="fail"), "tensor out: verdict"),
+    (lambda rows: rows[2].update(threshold=2.0), "metric out.max_abs: threshold"),
+    (lambda rows: rows.pop(3), "metric out.nan"),
+    (lambda rows: rows.pop(1), "tensor out"),
+])
+def test_each_compared_field_is_told_apart(single, tmp_path, change, what):
+    rows = case_rows("a")
+    change(rows)
+    other = write(tmp_path / "other", [rows, case_rows("b", value=3e-7), case_rows("c", outcome="fail")])
+    got = compare(load(single), load(other))
+    assert not got.ok and {d.what for d in got.differences} == {what}
+
+
+def test_a_different_case_set_and_a_killed_run_differ(single, tmp_path):
+    fewer = write(tmp_path / "fewer", [case_rows("a"), case_rows("b", value=3e-7)], end=False)
+    got = compare(load(single), load(fewer))
+    assert got.only_a == ["c"] and not got.differences and not got.ok
+    assert any("no end row" in p for p in got.problems)
+    assert compare(load(single), load(fewer), common_only=True).ok  # the common cases do agree
+    swapped = write(tmp_path / "swapped", [case_rows("a"), case_rows("b", value=3e-7), case_rows("d")])
+    got = compare(load(single), load(swapped))
+    assert got.only_a == ["c"] and got.only_b == ["d"] and not got.ok
+
+
+def test_crash_messages_agree_on_their_kind_only(tmp_path):
+    crash = "worker crashed (exit code 3): "
+    a = write(tmp_path / "a", [case_rows("x", outcome="error", message=crash + "tail one")])
+    b = write(tmp_path / "b", [case_rows("x", outcome="error", message=crash + "a different stderr tail")])
+    c = write(tmp_path / "c", [case_rows("x", outcome="error", message="timed out after 5 s (worker killed): t")])
+    assert compare(load(a), load(b)).ok
+    assert [d.what for d in compare(load(a), load(c)).differences] == ["message"]
+
+
+def test_a_case_written_twice_keeps_the_last_copy_and_is_reported(single, tmp_path):
+    twice = write(tmp_path / "twice", [case_rows("a", value=9.0), case_rows("a"), case_rows("b", value=3e-7),
+                                       case_rows("c", outcome="fail")])
+    got = compare(load(single), load(twice))
+    assert not got.differences and any("twice" in p for p in got.problems) and not got.ok
+
+
+def test_unreadable_input_is_a_usage_error(single, tmp_path, capsys):
+    assert main(["compare-runs", str(single), str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no results file" in err
