@@ -3,7 +3,8 @@
 Subcommands of this package: ``run`` (parity of an implementation against the reference, or a metamorphic oracle
 with ``--oracle``), ``metamorphic`` (every oracle), ``calibrate`` (refresh the tolerance policy's measured worst
 cases). Plug-ins, imported only if present: ``cases`` / ``shrink`` (``cases.commands``), ``report`` / ``compare``
-(``reports.commands``), ``mutants`` (``parity.mutants_cmd``), ``bench`` (``parity.bench``).
+(``reports.commands``), ``mutants`` (``parity.mutants_cmd``), ``bench`` (``parity.bench``), ``compare-runs``
+(``parity.compare_runs``).
 
 Exit codes: 0 all cases passed or were unsupported, 1 a case failed or errored, 2 a usage error (bad case JSON,
 unknown suite or implementation).

@@ -211,9 +211,11 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     if workers > 1:
         todo = shard.by_cost(todo, device)  # the shared queue: most expensive first (LPT)
     outcomes = dict(existing.outcomes)
-    threads_before = _set_threads(config.threads) if mode == "none" else None
-    # intra-op threads of the processes running the cases (None: a child's own default)
-    threads = slots[0].threads if mode != "none" else _set_threads(None)
+    # intra-op threads of the processes running the cases (recorded; None: each child's own default)
+    threads_before, threads = None, slots[0].threads
+    if mode == "none":
+        threads_before = _set_threads(config.threads)
+        threads = _set_threads(None)
     started = time.perf_counter()
     writer = R.ResultsWriter(path)
     if existing.run_row is None:

@@ -55,7 +55,7 @@ DTYPE_FACTOR = {
 }
 
 
-# ---- worker count and placement ---------------------------------------------------------------------------------------
+# ---- worker count and placement --------------------------------------------------------------------------------------
 def parse_workers(value: Union[int, str, None]) -> Union[int, str]:
     """``"auto"`` or a positive int, from the command line value (``None`` = 1)."""
     if value is None:

@@ -12,7 +12,8 @@ finished cases when it is killed. Each job gets ``timeout`` seconds; a dead or h
 ``error`` (with the tail of the child's stderr) and the slot's next job starts a fresh child. With ``fresh=True``
 every case gets a new child; otherwise a child is reused until a case ends in ``error`` (the CUDA context may be
 poisoned) — so a sticky fault still costs exactly one case, without paying process start-up and kernel JIT per
-case.
+case. On Linux a child dies with its parent (``PR_SET_PDEATHSIG``): a run killed by a CI time limit leaves no
+worker busy on a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 MARK = "@@dsv4-parity@@ "
 REPO = Path(__file__).resolve().parents[1]
 THREADS_ENV = "DSV4_PARITY_THREADS"
+PARENT_ENV = "DSV4_PARITY_PARENT"
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Worker:
         self.command = list(command) if command else [sys.executable, "-m", "parity.worker"]
         self.proc: Optional[subprocess.Popen] = None
         self.stderr = None
+        self.pending = b""
         self.started = 0  # processes started for this slot (replacements included)
 
     @property
@@ -62,10 +65,11 @@ class Worker:
         self.stderr = tempfile.TemporaryFile()
         env = dict(os.environ)
         env.update(getattr(self.slot, "env", None) or {})
+        env[PARENT_ENV] = str(os.getpid())
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.stderr, cwd=str(REPO), env=env,
-                                     text=True, bufsize=1)
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, cwd=str(REPO), env=env)
+        self.pending = b""  # answer bytes read so far (an answer may arrive in several reads)
         self.started += 1
 
     def stop(self) -> None:
@@ -108,7 +112,7 @@ class Worker:
         if not self.alive:
             self.start()
         try:
-            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             why = f"worker died before the case (exit {self.proc.poll()}): {self.stderr_tail()}"
@@ -117,21 +121,27 @@ class Worker:
         return ""
 
     def receive(self) -> Optional[tuple[Optional[list], str]]:
-        """Read the answer once stdout is readable: ``(rows, "")``, ``(None, why)`` if the child died or garbled
-        its answer (the caller kills it), or ``None`` for a stray non-protocol line (keep waiting)."""
-        line = self.proc.stdout.readline()
-        if not line.endswith("\n"):  # EOF (or a line torn by the death of the child)
+        """Read what is available once stdout is readable (never blocks): ``(rows, "")`` for a whole answer,
+        ``(None, why)`` if the child died or garbled its answer (the caller kills it), ``None`` while the answer is
+        incomplete. Stray lines that are not the protocol's are skipped."""
+        chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+        if not chunk:  # EOF: the child is gone (a torn answer in ``pending`` changes nothing)
             try:
                 code = self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 code = "unknown: it closed its output"
             return None, f"worker crashed (exit code {code}): {self.stderr_tail()}"
-        if not line.startswith(MARK):
-            return None
-        try:
-            return json.loads(line[len(MARK):]), ""
-        except json.JSONDecodeError as exc:
-            return None, f"worker sent an unreadable answer ({exc.msg}): {self.stderr_tail()}"
+        self.pending += chunk
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
+            text = line.decode("utf-8", "replace")
+            if not text.startswith(MARK):
+                continue
+            try:
+                return json.loads(text[len(MARK):]), ""
+            except json.JSONDecodeError as exc:
+                return None, f"worker sent an unreadable answer ({exc.msg}): {self.stderr_tail()}"
+        return None
 
 
 class WorkerPool:
@@ -219,7 +229,24 @@ class WorkerPool:
             sel.close()
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies (a CI ``timeout`` or ``kill`` of the run must not leave workers
+    holding GPUs). Elsewhere a no-op: the child then ends at its next read of the closed request pipe."""
+    parent = os.environ.get(PARENT_ENV)
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent and str(os.getppid()) != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def main() -> int:
+    _die_with_parent()
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # library prints go to stderr
     sys.stdout = sys.stderr

@@ -24,7 +24,7 @@ def ids(*cases):
     return [arg for c in cases for arg in ("--case-id", c.id)]
 
 
-# ---- worker count and placement ---------------------------------------------------------------------------------------
+# ---- worker count and placement --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("AUTO", "auto"), ("3", 3), (1, 1), (None, 1)])
 def test_workers_values(value, expected):
     assert shard.parse_workers(value) == expected
@@ -65,7 +65,7 @@ def test_cpu_workers_are_single_threaded_and_unpinned():
     assert shard.plan_slots(1, "cpu", threads=3)[0].env["DSV4_PARITY_THREADS"] == "3"  # --threads wins
 
 
-# ---- cost estimate and order ------------------------------------------------------------------------------------------
+# ---- cost estimate and order -----------------------------------------------------------------------------------------
 def test_the_cost_grows_with_every_size_factor():
     case = pick(dtype="float32", layout="bshd", ratio="4", loss="sparse", scope="layer")
     base = shard.estimate_cost(case)
@@ -105,7 +105,7 @@ def test_the_queue_is_most_expensive_first():
     assert {c.id for c in shard.by_cost(smoke + gate, "cuda")[:3]} == {c.id for c in gate}
 
 
-# ---- end to end -------------------------------------------------------------------------------------------------------
+# ---- end to end ------------------------------------------------------------------------------------------------------
 def smoke_cases():
     return [pick(dtype="float64", layout="bshd", ratio="0"), pick(dtype="float32", layout="thd", ratio="0"),
             pick(dtype="float64", layout="thd", ratio="4"), pick(dtype="bfloat16", layout="bshd", ratio="4")]

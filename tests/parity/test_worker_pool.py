@@ -4,8 +4,14 @@ The children are ``tests/parity/pool_child.py`` (the worker protocol without tor
 milliseconds per child; the real worker runs in ``test_shard.py``'s end-to-end tests.
 """
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from parity.shard import plan_slots
 from parity.worker import WorkerPool
@@ -80,9 +86,10 @@ def test_a_hung_job_times_out_and_the_sweep_continues():
 
 def test_garbled_answers_and_stray_lines():
     pool = WorkerPool(plan_slots(1, "cpu"), timeout=30, command=CHILD)
-    done = run_all(pool, jobs(("g", "garbage"), ("n", "noise"), ("p", "pass")))
+    done = run_all(pool, jobs(("g", "garbage"), ("n", "noise"), ("s", "split"), ("p", "pass")))
     assert done["g"].rows is None and "unreadable answer" in done["g"].why
     assert done["n"].rows[0]["outcome"] == "pass"  # a stray stdout line is skipped, the answer still read
+    assert done["s"].rows[0]["outcome"] == "pass"  # a half-arrived answer is waited for, not misread
     assert done["p"].rows[0]["outcome"] == "pass"
 
 
@@ -94,3 +101,51 @@ def test_slots_reach_the_children_environment():
     assert seen == {0: {"CUDA_VISIBLE_DEVICES": "4", "DSV4_PARITY_THREADS": "4", "OMP_NUM_THREADS": "4"},
                     1: {"CUDA_VISIBLE_DEVICES": "GPU-abc", "DSV4_PARITY_THREADS": "4", "OMP_NUM_THREADS": "4"},
                     2: {"CUDA_VISIBLE_DEVICES": "4", "DSV4_PARITY_THREADS": "4", "OMP_NUM_THREADS": "4"}}
+
+
+PARENT = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from types import SimpleNamespace
+from parity.worker import WorkerPool  # stdlib only: this parent starts in milliseconds
+pool = WorkerPool([SimpleNamespace(index=0, device="cpu", env={env!r})], timeout=60, command={child!r})
+jobs = pool.run([("h", {{"id": "h", "do": "hang"}})])
+worker = pool.workers[0]
+import threading
+threading.Thread(target=lambda: next(jobs, None), daemon=True).start()
+while worker.proc is None:
+    time.sleep(0.01)
+time.sleep(0.5)  # the child is inside the hanging job now
+print(worker.proc.pid, flush=True)
+"""
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_killed_run_leaves_no_worker_behind():
+    """``timeout``/``kill`` of the parent must not leave a worker busy on a GPU: the child dies with it."""
+    repo = str(Path(__file__).resolve().parents[2])
+
+    def orphan(env):
+        out = subprocess.run([sys.executable, "-c", PARENT.format(repo=repo, env=env, child=CHILD)],
+                             capture_output=True, text=True, timeout=60)
+        return int(out.stdout.strip())  # the parent exited (without closing anything) right after printing
+
+    assert _gone(orphan({}), within=5.0)
+    survivor = orphan({"POOL_CHILD_OUTLIVE_PARENT": "1"})  # negative control: no death signal
+    try:
+        assert not _gone(survivor, within=1.0)
+    finally:
+        os.kill(survivor, signal.SIGKILL)
