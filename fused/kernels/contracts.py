@@ -315,6 +315,11 @@ def check_dense_indexer_backward(index_q, weights, index_k, attn_score, attn_l1n
     _require(_shape(attn_l1norm) == denom_shape and _shape(index_lse) == denom_shape, ValueError,
              f"{layout} dense denom tensors must have shape {denom_shape}, got {_shape(attn_l1norm)} and "
              f"{_shape(index_lse)}")
+    # the kernel takes the scores, L1 norms and LSE in fp32 (float64 only in the torch provider's float64 mode)
+    wide = torch.float64 if index_q.dtype == torch.float64 else torch.float32
+    for t, name in ((attn_score, "attn_score"), (attn_l1norm, "attn_l1norm"), (index_score, "index_score"),
+                    (index_lse, "index_lse")):
+        _require(t.dtype == wide, ValueError, f"{name} dtype mismatch: expected {wide}, got {t.dtype}")
     _check_grad_loss(grad_loss, index_q.device)
 
 

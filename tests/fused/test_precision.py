@@ -60,3 +60,72 @@ def test_float32_case_is_close_to_the_reference():
     want, want_grads = run(reference, case, t)
     assert rel_err(got.out, want.out) < 1e-5 and rel_err(got.indexer_loss, want.indexer_loss) < 1e-5
     assert max(rel_err(got_grads[k], want_grads[k]) for k in want_grads if want_grads[k] is not None) < 1e-4
+
+
+# ---- the dense indexer backward: fp32 intermediates, bf16 outputs rounded once ---------------------------------------
+def _bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| in units of the bf16 spacing at each element of ``ref`` (float64)."""
+    ref = ref.double()
+    spacing = torch.where(ref == 0, torch.full_like(ref, 2.0 ** -133), 2.0 ** (torch.floor(torch.log2(ref.abs())) - 7))
+    return float(((got.double() - ref).abs() / spacing).max())
+
+
+def _dense_backward_inputs(dtype):
+    """bf16 indexer / attention activations (upcast for float64) and the recompute kernels' fp32 outputs."""
+    g = torch.Generator().manual_seed(3)
+    b, s, h, d, n_k = 2, 24, 4, 32, 6
+    q, k = torch.randn(b, s, h, d, generator=g).bfloat16(), torch.randn(b, n_k, d, generator=g).bfloat16()
+    w = (torch.randn(b, s, h, generator=g) * 0.3).bfloat16()
+    qa, ka = torch.randn(b, s, 8, 16, generator=g).bfloat16(), torch.randn(b, n_k, 1, 16, generator=g).bfloat16()
+    if dtype == torch.float64:
+        q, w, k, qa, ka = (t.double() for t in (q, w, k, qa, ka))
+    index = K.dense_indexer_score_recompute(q, k.unsqueeze(2), w, sm_scale=0.2, ratio=4)
+    teacher_lse = torch.full((b, s, 8), 1.5, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    attn = K.dense_attn_score_recompute(qa, ka, teacher_lse, 0.25, ratio=4)
+    return [q, w, k, attn["out"], attn["denom"], index["out"], index["denom"]]
+
+
+def _dense_backward(args, round_to_bf16=None):
+    args = [a.clone() for a in args]
+    if round_to_bf16 is not None:
+        args[round_to_bf16] = args[round_to_bf16].bfloat16().float()
+    return K.dense_indexer_backward(*args, torch.ones((), dtype=torch.float32), sm_scale=0.2, loss_coeff=0.5,
+                                    ratio=4)
+
+
+def test_dense_indexer_backward_keeps_target_l1_scores_and_lse_in_fp32():
+    """As the cuDNN kernel (fp32 attn_score / attn_l1norm / index_score / index_lse, bf16 gradients): on the same
+    bf16 inputs the bf16 result is the float64 result rounded once (<= 1 bf16 ULP); rounding any fp32
+    intermediate to bf16 first (negative control) is far off."""
+    bf16_args = _dense_backward_inputs(torch.bfloat16)
+    assert all(a.dtype == torch.float32 for a in bf16_args[3:])
+    exact = _dense_backward(_dense_backward_inputs(torch.float64))
+    got = _dense_backward(bf16_args)
+    names = ("d_index_q", "d_weights", "d_index_k")
+    assert max(_bf16_ulps(got[n], exact[n]) for n in names) <= 1.0
+    for i, what in enumerate(("attn_score", "attn_l1norm", "index_score", "index_lse"), start=3):
+        rounded = _dense_backward(bf16_args, round_to_bf16=i)
+        assert max(_bf16_ulps(rounded[n], exact[n]) for n in names) > 8, what
+
+
+def test_bf16_composition_hands_the_dense_backward_fp32_intermediates(monkeypatch):
+    seen = {}
+    real = TorchKernels.dense_indexer_backward
+
+    def spy(self, index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, *args, **kwargs):
+        seen.update(q=index_q.dtype, w=weights.dtype, k=index_k.dtype, attn=attn_score.dtype, l1=attn_l1norm.dtype,
+                    score=index_score.dtype, lse=index_lse.dtype)
+        return real(self, index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, *args,
+                    **kwargs)
+
+    monkeypatch.setattr(TorchKernels, "dense_indexer_backward", spy)
+    case = thd_case(4, [(9, 12), (13, 16)], dtype="bfloat16", scope="core", dsa_indexer_use_sparse_loss=False)
+    with fused.use_backend("torch"):
+        run(fused, case, materialize(case))
+    assert seen == dict(q=torch.bfloat16, w=torch.bfloat16, k=torch.bfloat16, attn=torch.float32,
+                        l1=torch.float32, score=torch.float32, lse=torch.float32)
+    # negative control: the kernel contract (as cuDNN's) refuses an fp32 intermediate handed over in bf16
+    args = _dense_backward_inputs(torch.bfloat16)
+    args[6] = args[6].bfloat16()
+    with pytest.raises(ValueError, match="index_lse dtype mismatch"):
+        _dense_backward(args)

@@ -84,16 +84,29 @@ def test_sparse_bwd_matches_autograd_of_the_oracle():
 
 
 def test_sparse_bwd_masked_padding_row_contributes_nothing():
+    """The composition's padding-row mask (``dO = 0``, ``lse = +inf``) removes the row exactly, even when the row
+    holds huge values (core-scope padding rows are arbitrary): the same gradients as a row without keys."""
     q, kv, sink, idx, length = sparse_setup(seed=5)
+    q[4] = 1e3 * kv[0]  # a poisoned padding row (its one key is kv[0]): logits ~ 1e3, exp(logit) overflows
     out, _, lse = K.sparse_attn_fwd(q, kv.unsqueeze(1), idx.unsqueeze(1), 0.3, d_v=8, attn_sink=sink,
                                     topk_length=length)
     d_out = randn(*q.shape, seed=11)
     base = K.sparse_attn_bwd(q, kv, out, d_out, lse, sink, idx.clamp_min(0), softmax_scale=0.3, topk_length=length)
     d_out[4], lse = 0, lse.clone()
-    lse[4] = 0  # the composition's padding-row masking
+    lse[4] = float("inf")  # the composition's padding-row masking
     masked = K.sparse_attn_bwd(q, kv, out, d_out, lse, sink, idx.clamp_min(0), softmax_scale=0.3, topk_length=length)
+    no_keys = length.clone()
+    no_keys[4] = 0
+    absent = K.sparse_attn_bwd(q, kv, out, d_out, lse, sink, idx.clamp_min(0), softmax_scale=0.3,
+                               topk_length=no_keys)
     assert (masked["dq"][4] == 0).all()
+    for name in ("dq", "dkv", "d_sink"):
+        assert torch.equal(masked[name], absent[name]), name
     assert not torch.allclose(masked["dkv"], base["dkv"])  # the row did contribute before masking
+    # negative control: a finite mask value leaves exp(logit - 0), which overflows on the poisoned row
+    lse[4] = 0
+    finite = K.sparse_attn_bwd(q, kv, out, d_out, lse, sink, idx.clamp_min(0), softmax_scale=0.3, topk_length=length)
+    assert not torch.isfinite(finite["dkv"]).all()
 
 
 # ---- top-k / compactify ------------------------------------------------------------------------------------------
