@@ -8,7 +8,7 @@ Layout::
                              "ulps": 4}},              # ULP floor of the score noise (parity/topk.py)
      "metamorphic": {DTYPE: {"ulps": 64}}}     # the ``ulp`` rule of the oracles (parity/metamorphic.py)
 
-``CLASS`` is a tensor class (``out lse index_scores topk loss grad_input grad_param``), ``DTYPE`` the case dtype,
+``CLASS`` is a tensor class (``out lse index_scores topk loss grad_input grad_param grad_indexer``), ``DTYPE`` the case dtype,
 ``PROVIDER`` the fused kernel provider (``torch``, ``cudnn``, ...). An ``ENTRY`` holds the thresholds of the layered
 verdict (:mod:`parity.verdict`) and the measured worst case each was set from::
 
@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional, Union
 from cases.errors import CaseError
 
 POLICY_PATH = Path(__file__).with_name("policy.json")
-TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param")
+TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer")
 THRESHOLD_KEYS = ("noise_floor_ratio", "ulps", "cosine_eps", "tensor_sim_eps", "rmse_ratio", "scale_ratio")
 OPTIONAL_KEYS = {"scalar_ulps": 0.0, "scale_floor": 0.25, "atol": 0.0}
 

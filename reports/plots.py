@@ -23,7 +23,7 @@ from .drift import DriftResult  # noqa: E402
 from .schema import TENSOR_CLASSES, dtype_eps  # noqa: E402
 
 CLASS_COLORS = dict(zip(TENSOR_CLASSES, ("#1f77b4", "#9467bd", "#17becf", "#7f7f7f", "#bcbd22", "#2ca02c",
-                                         "#ff7f0e")))
+                                         "#ff7f0e", "#d62728")))
 MAX_TENSORS = 40
 plt.rcParams.update({"font.size": 8, "axes.titlesize": 9, "axes.labelsize": 8, "figure.dpi": 96})
 
