@@ -1,6 +1,7 @@
 """dsv4-parity: the pure-PyTorch reference of DSv4 hybrid attention (spec §1-§6), written from the equations.
 
-Autograd supplies every gradient; no custom backward, no fused kernel. One module per concept:
+Autograd supplies every gradient; no custom backward, no fused kernel (row blocks are recomputed in
+backward by ``torch.utils.checkpoint``, see ``numerics``). One module per concept:
 ``rope``, ``norms``, ``hadamard``, ``compressor``, ``indexer``, ``sparse_attention``, ``indexer_loss``,
 ``core_attention``, ``layer``, ``thd`` (packed layout), ``numerics`` (precision policy, row chunking), ``params``.
 

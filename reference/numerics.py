@@ -10,8 +10,8 @@ so the memory of one block is ``ROW_CHUNK x (keys of a row)`` and never ``rows x
 to check that the result does not depend on it.
 
 Recomputation: each block runs through :func:`per_block`, which wraps it in ``torch.utils.checkpoint`` (autograd's
-own recomputation, non-reentrant). The graph then keeps only a block's inputs (views of tensors that exist anyway)
-and its outputs; the block's intermediates (gathered keys ``[B, s, keys, D]``, logits and probabilities
+own recomputation, non-reentrant). The graph then keeps only each block's inputs (views of tensors that exist
+anyway); the block's intermediates (gathered keys ``[B, s, keys, D]``, logits and probabilities
 ``[B, s, n, keys]``, the indexer's ``ReLU(dots) [B, s, nI, n_comp]``) are rebuilt from them during backward, one
 block at a time. Every gradient still comes from autograd, and the numbers are bit-identical with or without it.
 """

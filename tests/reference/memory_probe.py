@@ -4,14 +4,14 @@
 (the block inputs that ``torch.utils.checkpoint`` saves included) and counts the bytes of the distinct storages
 behind them, i.e. the memory the graph holds between forward and backward.
 
-``python -m tests.reference.memory_probe`` measures it at Pro head counts on the CPU for a few small T, fits
-``bytes(T) = a + b T + c T^2`` per workload and extrapolates to a 32K-token pack (see :func:`main`).
+``python -m tests.reference.memory_probe`` measures it at Pro shapes on the CPU for a few small T, fits
+``bytes(T) = a + b T + c T^2`` per workload and extrapolates to a 32K-token pack; ``--peak`` measures the peak
+resident memory of the whole fwd + bwd instead (saved graph + gradients + one block's working set).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Iterable
 
 import torch
@@ -60,9 +60,6 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     def bytes(self) -> int:
         return sum(self.storages.values())
 
-    def saw_shape(self, shape: tuple[int, ...]) -> bool:
-        return any(s == tuple(shape) for s, _ in self.shapes)
-
     def top_storages(self, count: int = 8) -> list[tuple[int, tuple[int, ...], torch.dtype]]:
         """The ``count`` largest counted storages: ``(bytes, shape, dtype)`` of the first tensor saved from each."""
         top = sorted(self.storages.items(), key=lambda kv: -kv[1])[:count]
@@ -70,7 +67,7 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
     def largest(self) -> tuple[int, tuple[int, ...], torch.dtype]:
         """``(bytes, shape, dtype)`` of the largest saved tensor (by its own elements, not its storage)."""
-        return max(((torch.Size(s).numel() * torch.empty((), dtype=d).element_size(), s, d) for s, d in self.shapes),
+        return max(((torch.Size(s).numel() * d.itemsize, s, d) for s, d in self.shapes),
                    default=(0, (), torch.float32))
 
 
@@ -116,22 +113,21 @@ def pro_pack_tensors(config, dtype: str, tokens: int, segment: int = 0, device: 
     return case, materialize(case, device)
 
 
-def cuda_peak(config, dtype: str, tokens: int, segment: int) -> dict:
-    """Layer fwd + bwd of a Pro pack on the GPU: peak allocated bytes, and the bytes of the case's tensors."""
-    torch.cuda.empty_cache()
-    case, t = pro_pack_tensors(config, dtype, tokens, segment, "cuda")
-    held = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        res = attention_layer(t.inputs["hidden"], t.params, config, t.packed_seq_params, training=True)
-        after_forward = torch.cuda.memory_allocated() - held
-        res.objective(t.grad_output).backward()
-        torch.cuda.synchronize()
-        status = "ok"
-    except torch.OutOfMemoryError:
-        after_forward, status = None, "oom"
-    return {"status": status, "inputs_bytes": held, "graph_after_forward": after_forward,
-            "peak_bytes": torch.cuda.max_memory_allocated()}
+def rss(field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def peak_rss(case: Case, tensors) -> int:
+    """Peak resident bytes of layer fwd + bwd above the resident memory before it (``VmHWM`` reset first)."""
+    base = rss("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    res = attention_layer(tensors.inputs["hidden"], tensors.params, case.config, tensors.packed_seq_params,
+                          training=True)
+    res.objective(tensors.grad_output).backward()
+    return rss("VmHWM") - base
 
 
 def main() -> None:
@@ -145,26 +141,20 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["r4-sparse", "r4-dense", "r128", "r0"])
     ap.add_argument("--no-checkpoint", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="list the largest saved storages at the largest T")
-    ap.add_argument("--cuda", action="store_true", help="measure the peak of a --target pack on the GPU instead")
+    ap.add_argument("--peak", action="store_true",
+                    help="measure the peak resident memory of fwd + bwd (Linux VmHWM) instead of the saved bytes")
     args = ap.parse_args()
     numerics.CHECKPOINT_BLOCKS = not args.no_checkpoint
-    if args.cuda:
-        for name in args.workloads:
-            ratio = int(name.split("-")[0][1:])
-            config = PRO_CONFIG.replace(compress_ratio=ratio, dsa_indexer_use_sparse_loss=not name.endswith("dense"))
-            start = time.perf_counter()
-            r = cuda_peak(config, args.dtype, args.target, args.segment)
-            gib = {k: None if v is None else round(v / 2**30, 2) for k, v in r.items() if k != "status"}
-            print(f"{name} {args.dtype} T={args.target} segments of {args.segment or args.target} recompute="
-                  f"{numerics.CHECKPOINT_BLOCKS}: {r['status']} GiB {gib} ({time.perf_counter() - start:.1f} s)",
-                  flush=True)
-        return
     for name in args.workloads:
         ratio = int(name.split("-")[0][1:])
         config = PRO_CONFIG.replace(compress_ratio=ratio, dsa_indexer_use_sparse_loss=not name.endswith("dense"))
         saved = []
         for T in args.tokens:
             case, tensors = pro_pack_tensors(config, args.dtype, T)
+            if args.peak:
+                saved.append(peak_rss(case, tensors))
+                print(f"{name:9s} T={T:5d}: peak {saved[-1] / 2**20:9.1f} MiB above the inputs", flush=True)
+                continue
             b, probe = graph_bytes(case, tensors, backward=False)
             saved.append(b)
             size, shape, dtype = probe.largest()
@@ -174,6 +164,12 @@ def main() -> None:
                 for n, shape, dtype in probe.top_storages():
                     print(f"    {n / T / 2**10:8.1f} KiB/row  {shape} {dtype}")
             del case, tensors, probe
+        if args.peak:  # the per-block working set is constant: project with the slope of the two largest T
+            slope = (saved[2] - saved[1]) / (args.tokens[2] - args.tokens[1])
+            est = saved[2] + slope * (args.target - args.tokens[2])
+            print(f"{name:9s} peak ({args.dtype}): {slope / 2**20:.2f} MiB/row -> {args.target} tokens as one "
+                  f"sequence: {est / 2**30:.1f} GiB above the inputs", flush=True)
+            continue
         a, b, c = fit(args.tokens, saved)
         segs = args.target // args.segment
         est = a + segs * (b * args.segment + c * args.segment ** 2)
