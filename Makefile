@@ -7,7 +7,9 @@ VENV      ?= .venv
 # `make parity` runs the GPU gate suite when CUDA is available (the cudnn / flashmla providers, where installed,
 # are then required for every stage they support), else the CPU smoke suite.
 SUITE     ?= $(shell $(PY) -c 'import torch; print("gate" if torch.cuda.is_available() else "smoke")' 2>/dev/null || echo smoke)
-PROVIDER  ?= auto
+# On CUDA with cudnn-frontend and FlashMLA importable, `cudnn` = the production set, each required for every stage it
+# supports on this architecture (a silent fallback fails the run); otherwise `auto` (the torch provider on a CPU).
+PROVIDER  ?= $(shell $(PY) -c 'import torch, cudnn, flash_mla; print("cudnn" if torch.cuda.is_available() else "auto")' 2>/dev/null || echo auto)
 OUT       ?= reports/out/latest
 WORKERS   ?= 2
 
@@ -41,7 +43,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 parity: $(BOOTSTRAP)
-	$(PY) -m parity.cli run --suite $(SUITE) --provider $(PROVIDER) --out $(OUT) --make-default
+	$(PY) -m parity.cli run --suite $(SUITE) --provider $(PROVIDER) --workers auto --out $(OUT) --make-default
 
 test: $(BOOTSTRAP)
 	$(PY) tests/setup_browser.py || true
