@@ -275,6 +275,15 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
         return [("dq", k["dq"], t["dq"], None, ATTN_GRAD), ("dkv", k["dkv"], t["dkv"], None, ATTN_GRAD),
                 ("d_sink", k["d_sink"], t["d_sink"], None, ATTN_GRAD)]
 
+    def cmp_bwd_masked(masked: Tensor):
+        def cmp(k, t, _args):
+            dq_rows = k["dq"][masked].float()
+            return cmp_bwd(k, t, _args) + [
+                ("dq_padding_rows_zero", dq_rows, torch.zeros_like(dq_rows), None, EXACT),
+                ("finite", torch.isfinite(k["dkv"].float()).all().float().view(1),
+                 torch.ones(1, device=dev), None, EXACT)]
+        return cmp
+
     for rows, heads, width, n_kv, note in ((n(4096), 64, 640, 5120, ""), (n(2048), 128, 640, 2560, ""),
                                             (n(512), 16, 192, 1024, " (heads padded to 64, K to 256)")):
         q, kv, ids, length, sink = attn_inputs(rows, heads, width, n_kv)
@@ -291,6 +300,15 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
         bwd_args = ((q, kv[:, 0], out, dout, lse, sink, ids.clamp(min=0)), dict(softmax_scale=SCALE,
                                                                                   topk_length=length))
         calls.append(Call("sparse_attn_bwd", label, "cudnn", (lambda a=bwd_args: a), cmp_bwd))
+        if heads == 64:  # the composition's padding-row mask: rows WITH valid keys, dO = 0 and LSE = +inf
+            masked = torch.zeros(rows, dtype=torch.bool, device=dev)
+            masked[rows // 4: rows // 2] = True
+            m_dout = dout.masked_fill(masked.view(-1, 1, 1), 0.0)
+            m_lse = lse.masked_fill(masked.view(-1, 1), float("inf"))
+            m_args = ((q, kv[:, 0], out, m_dout, m_lse, sink, ids.clamp(min=0)), dict(softmax_scale=SCALE,
+                                                                                    topk_length=length))
+            calls.append(Call("sparse_attn_bwd", label + " padding rows (dO 0, LSE +inf)", "cudnn",
+                              (lambda a=m_args: a), cmp_bwd_masked(masked)))
 
     # ---- sparse loss: score recompute + indexer backward -----------------------------------------------------------
     K = min(512, SK)

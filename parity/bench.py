@@ -640,33 +640,49 @@ def pro_pack_probe(bench: Bench, deadline: Optional[float]) -> Optional[dict]:
 
 
 # ---- command ------------------------------------------------------------------------------------------------------------
-def run_bench(settings: Settings, argv: Sequence[str] = (), log: Optional[Callable[[str], None]] = None) -> dict:
-    """Measure every selected section; returns the report (the JSON document)."""
+def run_bench(settings: Settings, argv: Sequence[str] = (), log: Optional[Callable[[str], None]] = None,
+              checkpoint: Optional[Callable[[dict], None]] = None) -> dict:
+    """Measure every selected section; returns the report (the JSON document). ``checkpoint(report)`` is called
+    after every section with the report so far (``partial: true``), so a bench killed by its caller keeps what it
+    measured."""
     threads = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(settings.threads)
     try:
-        return _run_sections(settings, argv, log or (lambda _msg: None))
+        return _run_sections(settings, argv, log or (lambda _msg: None), checkpoint or (lambda _report: None))
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], None]) -> dict:
+def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], None],
+                  checkpoint: Callable[[dict], None]) -> dict:
     start = time.perf_counter()
     report = empty_report(settings, argv)
     bench = Bench(settings, report, log)
+
+    def done(section: str) -> None:
+        report.setdefault("sections_done", []).append(section)
+        report["targets"] = evaluate_targets(report, settings)
+        report["duration_s"] = round(time.perf_counter() - start, 2)
+        checkpoint(dict(jsonable(report), partial=True))
+
     if "e2e" in settings.sections:
         bench.run_e2e()
+        done("e2e")
     if "stages" in settings.sections:
         bench.run_stages()
         if "e2e" not in settings.sections:  # the fused rows the stages used are still worth reporting
             report["e2e"] = [r for r in bench.e2e_cache.values() if r["scope"] == "core"]
+        done("stages")
     if "e2e" in settings.sections and settings.device == "cuda" and "pro" in settings.profiles:
         report["pro_pack_probe"] = pro_pack_probe(bench, bench.budget.section(0.3))
+        done("pro_pack_probe")
     if "scaling" in settings.sections:
         bench.run_scaling()
+        done("scaling")
     if "harness" in settings.sections:
         bench.run_harness()
+        done("harness")
     clear_caches()
     free_memory(settings.device)
     report["targets"] = evaluate_targets(report, settings)
@@ -692,10 +708,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not settings.quiet:
             print(f"bench: {msg}", file=sys.stderr, flush=True)
 
-    report = run_bench(settings, ["dsv4-parity", *getattr(args, "argv", sys.argv[1:])], log)
     path = Path(args.json) if args.json else default_json_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
+
+    def save(doc: dict) -> None:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(path)
+
+    report = run_bench(settings, ["dsv4-parity", *getattr(args, "argv", sys.argv[1:])], log, checkpoint=save)
+    save(report)
     png = None if args.no_plot else write_plot(report, Path(args.plot) if args.plot else path.with_suffix(".png"))
     render_tables(report)
     print(f"json: {path}" + (f"\nplot: {png}" if png else ""))

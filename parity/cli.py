@@ -85,6 +85,9 @@ def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, metavar="T",
                    help="intra-op threads per worker (default: 1 per CPU worker, cores/N per GPU worker, "
                         "unchanged for one worker). CPU results are bitwise reproducible only at equal T")
+    p.add_argument("--budget-s", type=float, metavar="SECONDS",
+                   help="start no case after SECONDS (running cases finish); the end row lists the cases not run, "
+                        "the run is incomplete and exits 1 (continue it with --resume)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no per-case lines")
 
 
@@ -209,7 +212,7 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
                        isolate=args.isolate, timeout=args.timeout, junit=args.junit,
                        argv=["dsv4-parity", *getattr(args, "argv", sys.argv[1:])],
                        run_id=run_id, quiet=args.quiet, workers=parse_workers(getattr(args, "workers", "1")),
-                       threads=getattr(args, "threads", None))
+                       threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None))
     counts, code = run(cases, config)
     if link is not None:
         point_link(link, out_dir)

@@ -17,6 +17,7 @@ exception, or the case needs a GPU this machine lacks).
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import time
 import traceback
@@ -97,6 +98,33 @@ def _where(exc: BaseException) -> str:
     return ""
 
 
+class _PhaseClock:
+    """``with clock("impl"): ...`` adds the block's wall seconds to ``seconds["impl"]``; on CUDA the device is
+    synchronised at both ends, so queued kernels count in the phase that launched them. ``impl`` and ``reference``
+    are the two implementations (the reference's float64 "truth" and same-dtype "noise" runs together, forward and
+    backward with their snapshots); ``materialize`` and ``compare`` are the harness's own time."""
+
+    def __init__(self, seconds: dict, device: str):
+        self.seconds, self.cuda = seconds, device == "cuda"
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        if self.cuda:
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 — a broken context is reported by the phase itself
+                pass
+
+
 def run_case(case: Case, impl: Implementation, against: Implementation, options: RunOptions,
              policy: Optional[policy_mod.Policy] = None) -> CaseResult:
     """Compare ``impl`` with ``against`` on ``case``; never raises for a problem of the case or the implementations."""
@@ -116,14 +144,18 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
     device = options.torch_device()
     if case.device == "cuda" and device != "cuda":
         return finish("unsupported", "device", "the case needs a CUDA device (kernel-profile shapes)")
+    clock = _PhaseClock(result.phases_s, device)
     stage = "materialize"
     try:
-        tensors = materialize(case, device)
+        with clock("materialize"):
+            tensors = materialize(case, device)
         stage = f"{impl.name} run"
-        impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
+        with clock("impl"):
+            impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
         result.plan = impl_snap.record or {}
         stage = f"{against.name} runs"
-        truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+        with clock("reference"):
+            truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"])
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
@@ -131,11 +163,12 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
         return finish("error", "error", f"{stage}: {one_line(exc)}" + (f" [{where}]" if where else ""))
 
     try:
-        problems = structure.check(case, tensors, impl_snap, noise, truth)
-        case_problems = problems.pop("*", [])
-        tensors_out, report = verdict.judge_case_tensors(case, tensors, impl_snap, truth, noise, problems, policy,
-                                                         policy_provider(impl_snap.record, provider))
-        outcome, decided_by, first, message = verdict.case_decision(tensors_out, case_problems)
+        with clock("compare"):
+            problems = structure.check(case, tensors, impl_snap, noise, truth)
+            case_problems = problems.pop("*", [])
+            tensors_out, report = verdict.judge_case_tensors(case, tensors, impl_snap, truth, noise, problems,
+                                                             policy, policy_provider(impl_snap.record, provider))
+            outcome, decided_by, first, message = verdict.case_decision(tensors_out, case_problems)
     except Exception as exc:  # noqa: BLE001 — a comparison crash is the harness's error, reported as such
         return finish("error", "error", f"comparison: {one_line(exc)} [{_where(exc)}]")
     result.tensors, result.first_failure = tensors_out, first

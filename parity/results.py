@@ -43,6 +43,7 @@ class CaseResult:
     first_failure: Optional[dict] = None
     message: str = ""
     duration_s: float = 0.0
+    phases_s: dict = field(default_factory=dict)  # seconds: materialize / impl / reference / compare
     repro: str = ""
     features: dict = field(default_factory=dict)
     plan: dict = field(default_factory=dict)
@@ -56,7 +57,9 @@ class CaseResult:
     def case_row(self) -> dict:
         return {"type": "case", "case_id": self.case_id, "case": self.case.to_dict(), "outcome": self.outcome,
                 "decided_by": self.decided_by, "first_failure": self.first_failure, "message": self.message,
-                "duration_s": round(self.duration_s, 4), "repro": self.repro, "features": self.features,
+                "duration_s": round(self.duration_s, 4),
+                "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()},
+                "repro": self.repro, "features": self.features,
                 "plan": self.plan, "topk": self.topk}
 
     def rows(self) -> list[dict]:
@@ -91,7 +94,7 @@ class CaseResult:
                     row["passed"]))
         return cls(case=Case.from_dict(head["case"]), outcome=head["outcome"], decided_by=head["decided_by"],
                    first_failure=head["first_failure"], message=head["message"], duration_s=head["duration_s"],
-                   repro=head["repro"], features=head["features"], plan=head["plan"], topk=head["topk"],
+                   phases_s=head.get("phases_s") or {}, repro=head["repro"], features=head["features"], plan=head["plan"], topk=head["topk"],
                    tensors=list(tensors.values()))
 
 

@@ -13,6 +13,9 @@
   one ``results.jsonl`` as cases finish (completion order). The ``run`` row records ``workers``, ``devices`` and
   ``threads``; every ``case`` row the ``worker`` (slot index) and ``device`` (``cpu`` / ``cuda:<token>``) it ran
   on. With one worker the run is what it was before sharding (suite order, same isolation);
+* ``budget_s`` (``--budget-s``): no case starts once the budget is spent (cases already running finish); the
+  ``end`` row then says ``stopped: "budget"`` and lists the ``not_run`` case ids, the run counts as incomplete
+  (reports, ``compare --update``) and the exit code is 1 — a time-boxed run never passes as a full one;
 * prints a progress bar (rich) and one line per case that did not pass, then
   ``N cases: P passed, F failed, E errors, U unsupported``; returns 1 iff a case failed or errored.
 """
@@ -132,6 +135,7 @@ class RunConfig:
     quiet: bool = False
     workers: Union[int, str] = 1  # N or "auto" (parity.shard.resolve_workers)
     threads: Optional[int] = None  # intra-op threads per worker (default: parity.shard.plan_slots)
+    budget_s: Optional[float] = None  # start no case after this many seconds; the rest is recorded as not run
 
 
 class _Progress:
@@ -240,9 +244,19 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
         outcomes[case.id] = rows[0]["outcome"]
         progress.done(rows[0])
 
+    deadline = None if config.budget_s is None else started + config.budget_s
+    not_run: list[str] = []
+
+    def within_budget(cases: Sequence[Case]) -> Iterable[Case]:
+        for i, case in enumerate(cases):
+            if deadline is not None and time.perf_counter() >= deadline:
+                not_run.extend(c.id for c in cases[i:])
+                return
+            yield case
+
     try:
         if mode == "none":
-            for case in todo:
+            for case in within_budget(todo):
                 progress.starting(case)
                 finished(case, execute(request(case)), slots[0])
         else:
@@ -250,7 +264,7 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
 
             pool = WorkerPool(slots[:max(1, min(workers, len(todo)))], timeout=config.timeout,
                               fresh=(mode == "case"))
-            for done in pool.run(((c, request(c)) for c in todo), on_start=lambda c, _: progress.starting(c)):
+            for done in pool.run(((c, request(c)) for c in within_budget(todo)), on_start=lambda c, _: progress.starting(c)):
                 rows = done.rows if done.rows is not None else error_rows(done.key, config.options, done.why)
                 finished(done.key, rows, done.slot)
     finally:
@@ -260,13 +274,18 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
         if threads_before is not None:
             _set_threads(threads_before)
     counts = R.counts(outcomes.values())
-    writer.write([{"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}])
+    end = {"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}
+    if not_run:
+        end.update(stopped="budget", budget_s=config.budget_s, not_run=not_run)
+        print(f"budget of {config.budget_s:g} s spent: {len(not_run)} of {len(cases)} cases not run "
+              f"(continue with --resume --out {out_dir})", file=sys.stderr)
+    writer.write([end])
     writer.close()
     if config.junit:
         from .junit import write_junit
 
         write_junit(path, config.junit)
-    code = 1 if counts["fail"] or counts["error"] else 0
+    code = 1 if counts["fail"] or counts["error"] or not_run else 0
     return counts, code
 
 

@@ -176,8 +176,9 @@ class WorkerPool:
     def run(self, jobs: Iterable[tuple[Any, dict]],
             on_start: Optional[Callable[[Any, Any], None]] = None) -> Iterator[Finished]:
         """Run ``(key, request)`` jobs, dispatched in order to idle slots; yield each :class:`Finished` as it
-        ends (completion order). ``on_start(key, slot)`` is called as a job is handed out."""
-        queue = list(jobs)[::-1]  # pop() takes the next job
+        ends (completion order). ``on_start(key, slot)`` is called as a job is handed out. ``jobs`` is read lazily,
+        one job as a slot frees up, so a generator can stop handing out work (a run's time budget)."""
+        queue = _Lookahead(jobs)
         busy = self._busy
         sel = selectors.DefaultSelector()
 
@@ -187,12 +188,12 @@ class WorkerPool:
             return key
 
         try:
-            while queue or busy:
+            while busy or queue:  # busy first: the next job is read only when a slot is idle
                 for i, w in enumerate(self.workers):
-                    if not queue:
-                        break
                     if i in busy:
                         continue
+                    if not queue:
+                        break
                     key, request = queue.pop()
                     if on_start is not None:
                         on_start(key, w.slot)
@@ -227,6 +228,28 @@ class WorkerPool:
                     yield Finished(key, None, why, w.slot)
         finally:
             sel.close()
+
+
+class _Lookahead:
+    """An iterator with ``bool()`` = "another item is coming" and ``pop()`` = take it; the underlying iterator is
+    advanced only when asked, so a generator decides on its next item as late as possible."""
+
+    _END, _UNREAD = object(), object()
+
+    def __init__(self, items: Iterable):
+        self._it = iter(items)
+        self._next = self._UNREAD
+
+    def __bool__(self) -> bool:
+        if self._next is self._UNREAD:
+            self._next = next(self._it, self._END)
+        return self._next is not self._END
+
+    def pop(self):
+        if not self:
+            raise IndexError("no job left")
+        item, self._next = self._next, self._UNREAD
+        return item
 
 
 def _die_with_parent() -> None:

@@ -54,13 +54,18 @@ def arch_of(env: dict[str, Any] | None) -> str:
     return match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", text).strip("-") or "gpu"
 
 
-def provenance(run: dict[str, Any], counts: dict[str, int], complete: bool) -> dict[str, Any]:
-    """``env.json`` of a baseline: the run row's identity and environment, the case counts."""
+def provenance(run: dict[str, Any], counts: dict[str, int], complete: bool,
+               end: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``env.json`` of a baseline: the run row's identity and environment, the case counts; for a run its time
+    budget stopped (``--budget-s``), ``not_run`` = the number of selected cases it did not start."""
     env = run.get("env") if isinstance(run.get("env"), dict) else {}
-    return {"run_id": run.get("run_id"), "suite": run.get("suite"), "impl": run.get("impl"),
-            "against": run.get("against"), "provider": run.get("provider"), "started": run.get("started"),
-            "counts": counts, "complete": complete, "arch": arch_of(env), "schema_version": CSV_SCHEMA_VERSION,
-            "env": env}
+    out = {"run_id": run.get("run_id"), "suite": run.get("suite"), "impl": run.get("impl"),
+           "against": run.get("against"), "provider": run.get("provider"), "started": run.get("started"),
+           "argv": run.get("argv"), "counts": counts, "complete": complete, "arch": arch_of(env),
+           "schema_version": CSV_SCHEMA_VERSION, "env": env}
+    if end and end.get("not_run"):
+        out["not_run"] = len(end["not_run"])
+    return out
 
 
 def _counts(table: pd.DataFrame) -> dict[str, int]:
@@ -137,11 +142,12 @@ def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path =
     if not re.fullmatch(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?", name) or ".." in name:
         raise ReportError("--baseline", f"baseline names are NAME or ARCH/NAME ([A-Za-z0-9._-]), got {name!r}")
     target = root / (name if "/" in name else f"{arch_of(data.env)}/{name}")
-    if not data.complete:
-        raise ReportError("--update", f"run {data.run_id} has no 'end' row; refusing to baseline a partial run")
+    if data.end is None:
+        raise ReportError("--update", f"run {data.run_id} has no 'end' row (it died or was killed); refusing to "
+                                      "baseline a partial run")
     target.mkdir(parents=True, exist_ok=True)
     write_csv(table, target / METRICS_NAME)
-    (target / ENV_NAME).write_text(json.dumps(provenance(data.run, data.counts, data.complete), indent=2,
+    (target / ENV_NAME).write_text(json.dumps(provenance(data.run, data.counts, data.complete, data.end), indent=2,
                                               sort_keys=True) + "\n")
     if gate is not None:
         (target / GATE_NAME).write_text(json.dumps(gate.to_dict(), indent=2, sort_keys=True) + "\n")

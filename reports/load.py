@@ -11,7 +11,8 @@
   :func:`reports.schema.usage`).
 
 A stream that is still being written (or was cut) is readable: a torn last line is skipped, tensor / metric rows of a
-case whose ``case`` row never came are dropped, and ``RunData.complete`` is False without an ``end`` row. Each such
+case whose ``case`` row never came are dropped, and ``RunData.complete`` is False without an ``end`` row (or when the ``end`` row lists cases ``--budget-s`` left
+unstarted). Each such
 repair is listed in ``RunData.warnings``. Anything else malformed raises :class:`ReportError` naming file:line and
 field.
 """
@@ -68,7 +69,8 @@ class RunData:
 
     @property
     def complete(self) -> bool:
-        return self.end is not None
+        """The run ended (an ``end`` row) and started every selected case (no ``not_run`` from ``--budget-s``)."""
+        return self.end is not None and not self.end.get("not_run")
 
     @property
     def counts(self) -> dict[str, int]:

@@ -49,7 +49,9 @@ def render_terminal(data: RunData, table: pd.DataFrame, console: Console, *, dri
     for outcome, n in counts.items():
         head.append(f"{outcome}={n} ", style=OUTCOME_STYLE[outcome] if n else "dim")
     if not data.complete:
-        head.append(" (incomplete: no end row)", style="bold yellow")
+        why = (f"{len(data.end['not_run'])} cases not run, budget spent" if data.end is not None
+               else "no end row")
+        head.append(f" (incomplete: {why})", style="bold yellow")
     console.print(head)
     for warning in data.warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)

@@ -8,7 +8,7 @@ from parity.junit import write_junit
 from parity.verdict import MetricRow, TensorResult
 from tests.parity.helpers import pick
 
-CASE_FIELDS = {"type", "case_id", "case", "outcome", "decided_by", "first_failure", "message", "duration_s", "repro",
+CASE_FIELDS = {"type", "case_id", "case", "outcome", "decided_by", "first_failure", "message", "duration_s", "phases_s", "repro",
                "features", "plan", "topk"}
 TENSOR_FIELDS = {"type", "case_id", "tensor", "tensor_class", "dtype", "shape", "verdict", "rule"}
 METRIC_FIELDS = {"type", "case_id", "tensor", "tensor_class", "metric", "value", "threshold", "passed"}
