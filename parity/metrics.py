@@ -1,4 +1,5 @@
-"""Error metrics of one tensor against a float64 reference, all computed in float64 on the CPU.
+"""Error metrics of one tensor against a float64 reference, all computed in float64 (on the device the tensors are
+on: :func:`as_f64` moves to the CPU, :func:`upcast` keeps the device, so a GPU run compares on the GPU).
 
 Notation: ``a`` is the implementation's tensor, ``r`` the float64 reference ("truth") and ``p`` the reference run in
 the implementation's own dtype (the *noise-floor* run, FlashAttention's ``out_pt``). Every function takes tensors
@@ -35,6 +36,11 @@ def eps(dtype: torch.dtype) -> float:
 
 def as_f64(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to(device="cpu", dtype=torch.float64)
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float64 on its own device (a CUDA run's comparisons stay on the GPU)."""
+    return x.detach().to(dtype=torch.float64)
 
 
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

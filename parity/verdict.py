@@ -141,7 +141,7 @@ def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torc
 
 
 def _restrict(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    x = M.as_f64(x)
+    x = M.upcast(x)
     return real_rows(x, mask) if is_row_tensor(name) else x
 
 
