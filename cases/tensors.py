@@ -8,6 +8,7 @@ of the same device type, and adding a tensor never changes the others.
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -76,9 +77,29 @@ def _randn(seed: int, name: str, shape: tuple) -> torch.Tensor:
     return torch.randn(shape, generator=_generator(seed, name), dtype=torch.float64)
 
 
-def initial_value(seed: int, name: str, shape: tuple) -> torch.Tensor:
-    """float64 initial value of parameter ``name``: scales chosen so every branch of the math is exercised."""
-    x = _randn(seed, name, shape)
+def _draw_all(seed: int, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """``{name: _randn(seed, name, shape)}``. Every draw has its own generator, so drawing them on several threads
+    (``torch.get_num_threads()`` of them, the run's intra-op budget) gives the very same values as one after the
+    other; at kernel-profile shapes the float64 draws (~40 M numbers) were most of a GPU case's harness time."""
+    threads = min(torch.get_num_threads(), len(shapes))
+    if threads <= 1 or sum(_numel(s) for s in shapes.values()) < 1 << 20:
+        return {name: _randn(seed, name, shape) for name, shape in shapes.items()}
+    with ThreadPoolExecutor(threads) as pool:
+        futures = {name: pool.submit(_randn, seed, name, shape) for name, shape in shapes.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def initial_value(seed: int, name: str, shape: tuple, draw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float64 initial value of parameter ``name``: scales chosen so every branch of the math is exercised.
+    ``draw``: the parameter's standard-normal draw when already made (:func:`_draw_all`)."""
+    x = _randn(seed, name, shape) if draw is None else draw
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
         return 1.0 + 0.1 * x
     if name.endswith("attn_sink"):
@@ -137,9 +158,12 @@ def materialize(case: Case, device: Union[str, torch.device] = "cpu", *,
     checks set it large ("poison") and expect real-row results to be bit-identical.
     """
     dtype = case.torch_dtype
+    shapes = parameter_shapes(case.config, case.scope)
+    draws = _draw_all(case.seed, {**shapes, **{f"input/{n}": s for n, s in input_shapes(case).items()},
+                                  "grad_output": output_shape(case)})
     params = {}
-    for name, shape in parameter_shapes(case.config, case.scope).items():
-        value = initial_value(case.seed, name, shape)
+    for name, shape in shapes.items():
+        value = initial_value(case.seed, name, shape, draws[name])
         param_dtype = torch.float32 if (dtype == torch.bfloat16 and name in FP32_PARAMETERS) else dtype
         params[name] = value.to(param_dtype).to(device).requires_grad_(True)
 
@@ -158,9 +182,9 @@ def materialize(case: Case, device: Union[str, torch.device] = "cpu", *,
         mask = real.reshape(real.shape + (1,) * (x.dim() - real.dim()))
         return torch.where(mask, x, x * padding_scale)
 
-    inputs = {name: rows_scaled(_randn(case.seed, f"input/{name}", shape)).to(dtype).to(device).requires_grad_(True)
-              for name, shape in input_shapes(case).items()}
-    d_out = _randn(case.seed, "grad_output", output_shape(case))
+    inputs = {name: rows_scaled(draws[f"input/{name}"]).to(dtype).to(device).requires_grad_(True)
+              for name in input_shapes(case)}
+    d_out = draws["grad_output"]
     if case.scope == "layer":
         d_out = d_out * real.reshape(real.shape + (1,)).to(d_out.dtype)
     else:

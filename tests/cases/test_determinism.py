@@ -67,3 +67,20 @@ def test_each_tensor_has_its_own_stream():
         assert a.params[name].equal(b.params[name])
     names = sorted(a.params)
     assert not a.params[names[0]].flatten()[:4].equal(a.params[names[1]].flatten()[:4])
+
+
+def test_threaded_draws_equal_sequential_draws():
+    """Drawing a case's tensors on several threads (``cases.tensors._draw_all``, above 1 M numbers) gives the values
+    of drawing them one after the other; a different seed gives different values (the check can fail)."""
+    from cases.tensors import _draw_all, _randn
+
+    shapes = {"big": (1 << 19, 2), "other": (1 << 18, 3), "input/x": (7, 5)}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        threaded = _draw_all(11, shapes)
+    finally:
+        torch.set_num_threads(before)
+    for name, shape in shapes.items():
+        assert torch.equal(threaded[name], _randn(11, name, shape)), name
+    assert not torch.equal(_draw_all(12, shapes)["big"], threaded["big"])

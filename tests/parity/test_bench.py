@@ -277,3 +277,19 @@ def test_cuda_timing_uses_events(monkeypatch):
     assert len(timing.seconds) == 3 and fake.events == 6
     bench_measure.time_call(lambda: None, "cpu", warmup=0, repeats=2)
     assert fake.events == 6  # negative control: the CPU clock records no event
+
+
+def test_the_json_is_checkpointed_after_every_section(tmp_path):
+    """A bench killed mid-way keeps what it measured: the JSON is rewritten (``partial``) after each section."""
+    seen = []
+    args = bench.resolve_settings(_parsed(SMALL + ["--sections", "e2e,harness", "--json", str(tmp_path / "b.json")]))
+    final = bench.run_bench(args, checkpoint=lambda doc: seen.append(copy.deepcopy(doc)))
+    assert [d["sections_done"] for d in seen] == [["e2e"], ["e2e", "harness"]]
+    assert all(d["partial"] is True for d in seen) and "partial" not in final
+    assert seen[0]["e2e"] and not seen[0]["harness"] and seen[1]["harness"]
+
+
+def _parsed(argv):
+    from parity.cli import build_parser
+
+    return build_parser().parse_args(argv)

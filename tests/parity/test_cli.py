@@ -170,3 +170,35 @@ def test_require_provider(tmp_path, capsys):
                  "--out", str(tmp_path / "b"), "--quiet"]) == 1
     row = next(r for r in rows(tmp_path / "b") if r["type"] == "case")
     assert row["decided_by"] == "require" and "did not run" in row["message"]
+
+
+@pytest.mark.parametrize("isolate", ["none", "worker"])
+def test_a_spent_budget_starts_no_case_lists_the_rest_and_fails(tmp_path, capsys, isolate):
+    a = pick(dtype="float32", layout="bshd", ratio="0")
+    b = pick(dtype="float64", layout="bshd", ratio="0")
+    out = tmp_path / "r"
+    code = main(["run", "--suite", "smoke", *ids(a, b), "--impl", "reference", "--out", str(out), "--quiet",
+                 "--isolate", isolate, "--budget-s", "0"])
+    assert code == 1  # a time-boxed run never passes as a whole one
+    got = rows(out)
+    assert [r for r in got if r["type"] == "case"] == []
+    assert got[-1]["stopped"] == "budget" and got[-1]["not_run"] == [a.id, b.id]
+    assert "2 of 2 cases not run" in capsys.readouterr().err
+    from reports.load import load_run
+
+    assert load_run(out / "results.jsonl").complete is False
+    # --resume finishes it; the end row is then a plain one (negative control of the budget's effect)
+    assert main(["run", "--suite", "smoke", *ids(a, b), "--impl", "reference", "--out", str(out), "--resume",
+                 "--quiet", "--isolate", isolate, "--budget-s", "600"]) == 0
+    got = rows(out)
+    assert [r["case_id"] for r in got if r["type"] == "case"] == [a.id, b.id]
+    assert "not_run" not in got[-1] and load_run(out / "results.jsonl").complete is True
+
+
+def test_case_rows_time_the_phases(tmp_path):
+    a = pick(dtype="bfloat16", layout="thd", loss="sparse")
+    main(["run", "--suite", "smoke", *ids(a), "--out", str(tmp_path / "r"), "--quiet"])
+    case = [r for r in rows(tmp_path / "r") if r["type"] == "case"][0]
+    phases = case["phases_s"]
+    assert set(phases) == {"materialize", "impl", "reference", "compare"}
+    assert all(v > 0 for v in phases.values()) and sum(phases.values()) <= case["duration_s"]
