@@ -60,6 +60,20 @@ def test_a_partial_run_is_never_baselined(tmp_path):
         save_baseline(data, metrics_table(data), "smoke", root=tmp_path / "b")
 
 
+def test_a_budget_stopped_run_is_baselined_as_incomplete(tmp_path):
+    rows = rows_of(n_cases=4)
+    rows[-1] = {**rows[-1], "stopped": "budget", "budget_s": 10.0, "not_run": ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]}
+    data = load_run(write_rows(rows, tmp_path / "run"))
+    assert not data.complete
+    target = save_baseline(data, metrics_table(data), "smoke", root=tmp_path / "b")
+    env = json.loads((target / "env.json").read_text())
+    assert env["complete"] is False and env["not_run"] == 2
+    # negative control: the same run without the budget stop is complete and records no not_run
+    full = load_run(write_rows(rows_of(n_cases=4), tmp_path / "run2"))
+    env = json.loads((save_baseline(full, metrics_table(full), "full", root=tmp_path / "b") / "env.json").read_text())
+    assert env["complete"] is True and "not_run" not in env
+
+
 @pytest.mark.parametrize("name", ["../evil", "a/b/c", "sp ace"])
 def test_baseline_names_are_checked(runs, tmp_path, name):
     data = load_run(runs["base"])

@@ -158,3 +158,23 @@ def test_topk_regimes_and_providers_are_summed_over_cases(rendered, runs):
     plan_rows = re.findall(r"<tr><td>(\w+)</td><td><code>(\w+)</code></td><td class=\"n\">(\d+)</td></tr>",
                            rendered["text"])
     assert ("attention", "reference", str(len(cases))) in plan_rows
+
+
+@pytest.mark.parametrize("end, banner", [
+    ({"stopped": "budget", "budget_s": 30.0, "not_run": ["aaaaaaaaaaaa"] * 5}, "Incomplete run: its time budget"),
+    (None, "Incomplete stream"),
+    ({}, None),  # negative control: a finished run has no banner
+])
+def test_incomplete_runs_say_why(tmp_path, end, banner):
+    rows = rows_of(n_cases=3)
+    if end is None:
+        rows = rows[:-1]
+    else:
+        rows[-1] = {**rows[-1], **end}
+    text = render_run(write_rows(rows, tmp_path), baseline=None, html=True, csv=False).html.read_text()
+    if banner is None:
+        assert "Incomplete" not in text
+    else:
+        assert banner in text
+        if end:
+            assert "5 of the selected cases" in text
