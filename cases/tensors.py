@@ -8,6 +8,7 @@ of the same device type, and adding a tensor never changes the others.
 from __future__ import annotations
 
 import hashlib
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -82,18 +83,11 @@ def _draw_all(seed: int, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     (``torch.get_num_threads()`` of them, the run's intra-op budget) gives the very same values as one after the
     other; at kernel-profile shapes the float64 draws (~40 M numbers) were most of a GPU case's harness time."""
     threads = min(torch.get_num_threads(), len(shapes))
-    if threads <= 1 or sum(_numel(s) for s in shapes.values()) < 1 << 20:
+    if threads <= 1 or sum(math.prod(s) for s in shapes.values()) < 1 << 20:
         return {name: _randn(seed, name, shape) for name, shape in shapes.items()}
     with ThreadPoolExecutor(threads) as pool:
         futures = {name: pool.submit(_randn, seed, name, shape) for name, shape in shapes.items()}
         return {name: f.result() for name, f in futures.items()}
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def initial_value(seed: int, name: str, shape: tuple, draw: Optional[torch.Tensor] = None) -> torch.Tensor:

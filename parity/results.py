@@ -94,7 +94,8 @@ class CaseResult:
                     row["passed"]))
         return cls(case=Case.from_dict(head["case"]), outcome=head["outcome"], decided_by=head["decided_by"],
                    first_failure=head["first_failure"], message=head["message"], duration_s=head["duration_s"],
-                   phases_s=head.get("phases_s") or {}, repro=head["repro"], features=head["features"], plan=head["plan"], topk=head["topk"],
+                   phases_s=head.get("phases_s") or {}, repro=head["repro"], features=head["features"],
+                   plan=head["plan"], topk=head["topk"],
                    tensors=list(tensors.values()))
 
 

@@ -264,7 +264,8 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
 
             pool = WorkerPool(slots[:max(1, min(workers, len(todo)))], timeout=config.timeout,
                               fresh=(mode == "case"))
-            for done in pool.run(((c, request(c)) for c in within_budget(todo)), on_start=lambda c, _: progress.starting(c)):
+            jobs = ((c, request(c)) for c in within_budget(todo))
+            for done in pool.run(jobs, on_start=lambda c, _: progress.starting(c)):
                 rows = done.rows if done.rows is not None else error_rows(done.key, config.options, done.why)
                 finished(done.key, rows, done.slot)
     finally:

@@ -25,7 +25,7 @@ import pandas as pd
 
 from .drift import GateConfig
 from .errors import ReportError
-from .load import RESULTS_NAME, RunData, load_run, peek_run
+from .load import RESULTS_NAME, RunData, ended_complete, load_run, peek_run
 from .schema import CSV_SCHEMA_VERSION, OUTCOMES
 from .table import CSV_NAME, metrics_table, read_csv, write_csv
 
@@ -96,7 +96,7 @@ def _from_run(name: str, results: Path) -> Baseline:
         run, end = peek_run(results)
         table = read_csv(csv)
         return Baseline(name=name, path=results.parent, table=table,
-                        env=provenance(run, _counts(table), end is not None))
+                        env=provenance(run, _counts(table), ended_complete(end), end))
     data = load_run(results)
     return Baseline(name=name, path=results.parent, table=metrics_table(data),
                     env=provenance(data.run, data.counts, data.complete))
@@ -147,8 +147,8 @@ def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path =
                                       "baseline a partial run")
     target.mkdir(parents=True, exist_ok=True)
     write_csv(table, target / METRICS_NAME)
-    (target / ENV_NAME).write_text(json.dumps(provenance(data.run, data.counts, data.complete, data.end), indent=2,
-                                              sort_keys=True) + "\n")
+    env = provenance(data.run, data.counts, data.complete, data.end)
+    (target / ENV_NAME).write_text(json.dumps(env, indent=2, sort_keys=True) + "\n")
     if gate is not None:
         (target / GATE_NAME).write_text(json.dumps(gate.to_dict(), indent=2, sort_keys=True) + "\n")
     return target

@@ -11,9 +11,9 @@
   :func:`reports.schema.usage`).
 
 A stream that is still being written (or was cut) is readable: a torn last line is skipped, tensor / metric rows of a
-case whose ``case`` row never came are dropped, and ``RunData.complete`` is False without an ``end`` row (or when the ``end`` row lists cases ``--budget-s`` left
-unstarted). Each such
-repair is listed in ``RunData.warnings``. Anything else malformed raises :class:`ReportError` naming file:line and
+case whose ``case`` row never came are dropped, and ``RunData.complete`` is False without an ``end`` row, or when that
+row lists cases ``--budget-s`` left unstarted (:func:`ended_complete`). Each such repair is listed in
+``RunData.warnings``. Anything else malformed raises :class:`ReportError` naming file:line and
 field.
 """
 
@@ -69,8 +69,7 @@ class RunData:
 
     @property
     def complete(self) -> bool:
-        """The run ended (an ``end`` row) and started every selected case (no ``not_run`` from ``--budget-s``)."""
-        return self.end is not None and not self.end.get("not_run")
+        return ended_complete(self.end)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -301,3 +300,9 @@ def load_run(path: str | Path) -> RunData:
         if isinstance(claimed, dict) and any(int(claimed.get(o, 0) or 0) != n for o, n in data.counts.items()):
             warnings.append(f"the 'end' row counts {claimed} differ from the case rows {data.counts}")
     return data
+
+
+def ended_complete(end: dict[str, Any] | None) -> bool:
+    """A run with this ``end`` row (None: none came) ended and started every selected case (no ``not_run`` list
+    from ``--budget-s``)."""
+    return end is not None and not end.get("not_run")
