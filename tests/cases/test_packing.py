@@ -52,8 +52,19 @@ def test_sampler_gives_valid_layouts_within_budget(seed, ratio, window, topk):
     layout.validate()
     layout.validate_for_ratio(ratio)
     assert layout.num_real_rows >= 1
-    # the sampler may overshoot; the generator rejects those, so overshoot must be the exception, not the rule
-    assert layout.total_tokens <= 3 * budget
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_sampler_overshoot_is_the_exception(ratio):
+    """The sampler may overshoot its budget (the generator rejects those layouts), but rarely, and far overshoot
+    (> 3x: many short segments each aligned up to 128) rarely again. Measured over seeds 0..999 x 2 shapes:
+    > budget 15 % (r 0, 4) / 26 % (r 128); > 3x budget 0 / 0 / 0.85 %. A fixed seed range, so the rate is exact:
+    a per-example 3x bound made this a random failure (seed 62859, r 128: 1152 rows for a budget of 300)."""
+    budget = 300 if ratio == 128 else 96
+    totals = [sample_packing(Rng(seed), ratio=ratio, window=window, topk=topk, budget=budget).total_tokens
+              for seed in range(1000) for window, topk in ((4, 2), (16, 8))]
+    assert sum(t > budget for t in totals) / len(totals) <= 1 / 3
+    assert sum(t > 3 * budget for t in totals) / len(totals) <= 0.02
 
 
 @pytest.mark.parametrize("feature", ["alignment_padding", "zero_length_segment", "dummy_tail",
