@@ -4,7 +4,8 @@
 # (python -m fused.gpu_suite: every case of <= 256 buffer rows + the 2 smallest ratio-128 cases, 58 cases, r128
 # first), then the rest of the suite smallest first. No case starts after SECONDS (--budget-s: the end row lists
 # the cases not run); results stream to $OUT/gate/results.jsonl, so even a hard kill keeps every finished case.
-# Usage: bash .ci/h200-gate.sh [SECONDS]
+# Workers: --workers ${WORKERS:-auto} (auto: up to 4 per GPU; the gate is host-bound by JIT compiles and draws).
+# Usage: [WORKERS=N] bash .ci/h200-gate.sh [SECONDS]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 limit="${1:-300}"
@@ -21,5 +22,5 @@ PY
 )
 # the hard stop leaves room for the last case started before the budget ran out
 timeout $((limit + 150)) python3 -m parity.cli run --suite gate $ids --provider cudnn --require cudnn \
-    --budget-s "$limit" --out "$out" --quiet
+    --workers "${WORKERS:-auto}" --budget-s "$limit" --out "$out" --quiet
 echo "h200-gate: exit $?"

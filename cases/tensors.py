@@ -1,8 +1,13 @@
 """Deterministic materialisation of a case's tensors, and the parameter names/shapes of the layer (spec §1.2).
 
-Every tensor is drawn in float64 on the CPU from its own generator, seeded by ``(case.seed, tensor name)``, then cast
-to the case dtype and moved to the device: the same case gives bit-identical tensors on every run and every machine
-of the same device type, and adding a tensor never changes the others.
+Every tensor is a standard-normal draw made on the CPU, then scaled (parameters: :func:`initial_value`), cast to its
+dtype and moved to the device. A tensor of at most ``CHUNK`` (2**20) elements is drawn by one generator seeded by the
+sha256 of ``"{seed}/{name}"``; a larger one is drawn, flattened, in chunks of ``CHUNK`` elements, chunk ``i`` by the
+generator of ``"{seed}/{name}#{i}"``; the chunks are drawn on the run's threads. Draws are float64: ATen's float32
+normals take a vectorised path on AVX2/AVX512 hosts and a scalar one elsewhere (Arm hosts such as GH200 runners)
+and differ between them, float64 normals do not. So the values do not depend on the thread count or the host, the
+same case gives bit-identical tensors on every run and every machine of the same device type, and adding a tensor
+never changes the others.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import hashlib
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -69,31 +74,36 @@ def parameter_shapes(config: ModelConfig, scope: str) -> dict[str, tuple]:
     return layer_parameter_shapes(config) if scope == "layer" else core_parameter_shapes(config)
 
 
+CHUNK = 1 << 20  # a tensor with more elements is drawn in independently seeded chunks of this many
+
+
 def _generator(seed: int, name: str) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2 ** 63 - 1))
 
 
-def _randn(seed: int, name: str, shape: tuple) -> torch.Tensor:
-    return torch.randn(shape, generator=_generator(seed, name), dtype=torch.float64)
+def _chunks(numel: int) -> list[tuple[str, int, int]]:
+    """``(key suffix, start, end)`` of each separately seeded piece of a flattened tensor of ``numel`` elements."""
+    if numel <= CHUNK:
+        return [("", 0, numel)]
+    return [(f"#{i}", a, min(a + CHUNK, numel)) for i, a in enumerate(range(0, numel, CHUNK))]
 
 
-def _draw_all(seed: int, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """``{name: _randn(seed, name, shape)}``. Every draw has its own generator, so drawing them on several threads
-    (``torch.get_num_threads()`` of them, the run's intra-op budget) gives the very same values as one after the
-    other; at kernel-profile shapes the float64 draws (~40 M numbers) were most of a GPU case's harness time."""
-    threads = min(torch.get_num_threads(), len(shapes))
-    if threads <= 1 or sum(math.prod(s) for s in shapes.values()) < 1 << 20:
-        return {name: _randn(seed, name, shape) for name, shape in shapes.items()}
-    with ThreadPoolExecutor(threads) as pool:
-        futures = {name: pool.submit(_randn, seed, name, shape) for name, shape in shapes.items()}
-        return {name: f.result() for name, f in futures.items()}
+def _draw_into(flat: torch.Tensor, seed: int, key: str) -> torch.Tensor:
+    return flat.normal_(generator=_generator(seed, key))
 
 
-def initial_value(seed: int, name: str, shape: tuple, draw: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """float64 initial value of parameter ``name``: scales chosen so every branch of the math is exercised.
-    ``draw``: the parameter's standard-normal draw when already made (:func:`_draw_all`)."""
-    x = _randn(seed, name, shape) if draw is None else draw
+def _randn(seed: int, name: str, shape: tuple, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The standard-normal draw of tensor ``name`` (module docstring), in ``dtype``, one chunk after the other."""
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    for suffix, a, b in _chunks(flat.numel()):
+        _draw_into(flat[a:b], seed, name + suffix)
+    return out
+
+
+def _scaled(name: str, shape: tuple, x: torch.Tensor) -> torch.Tensor:
+    """A parameter's initial value from its standard-normal draw ``x`` (elementwise, so per chunk or not alike)."""
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
         return 1.0 + 0.1 * x
     if name.endswith("attn_sink"):
@@ -101,6 +111,59 @@ def initial_value(seed: int, name: str, shape: tuple, draw: Optional[torch.Tenso
     if name.endswith(".ape"):
         return 0.5 * x
     return x * shape[-1] ** -0.5  # linear weights: unit-variance outputs
+
+
+def initial_value(seed: int, name: str, shape: tuple, draw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Initial value of parameter ``name``, in its draw dtype: scales chosen so every branch of the math is exercised.
+    Cast to the parameter's dtype, it is the parameter :func:`materialize` gives.
+    ``draw``: the parameter's standard-normal draw when already made."""
+    x = _randn(seed, name, shape) if draw is None else draw
+    return _scaled(name, shape, x)
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """One tensor of a case to draw: seed key ``name``, final ``dtype``, and ``finish(x, a, b)``: the final values
+    of its flattened elements ``[a, b)`` from their standard-normal draw ``x`` (elementwise; None: ``x`` itself)."""
+
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    finish: Optional[Callable[[torch.Tensor, int, int], torch.Tensor]] = None
+
+
+def _draw_all(seed: int, draws: list[_Draw]) -> dict[str, torch.Tensor]:
+    """``{d.name: final tensor}``: every chunk of every tensor is drawn, finished and cast straight into its slice of a
+    preallocated output, all on ``torch.get_num_threads()`` threads (the run's intra-op budget). Each chunk has its own
+    generator and ``finish`` is elementwise, so this gives the values of drawing every tensor whole, one after the
+    other (:func:`_randn`, :func:`initial_value`), whatever the thread count."""
+    outs = {d.name: torch.empty(d.shape, dtype=d.dtype) for d in draws}
+    tasks = [(d, suffix, a, b) for d in draws for suffix, a, b in _chunks(outs[d.name].numel())]
+
+    def run(d: _Draw, suffix: str, a: int, b: int) -> None:
+        out = outs[d.name].view(-1)[a:b]
+        if d.finish is None and d.dtype == torch.float64:
+            _draw_into(out, seed, d.name + suffix)
+            return
+        x = _draw_into(torch.empty(b - a, dtype=torch.float64), seed, d.name + suffix)
+        out.copy_(x if d.finish is None else d.finish(x, a, b))
+
+    threads = min(torch.get_num_threads(), len(tasks))
+    if threads <= 1 or sum(out.numel() for out in outs.values()) <= CHUNK:
+        for task in tasks:
+            run(*task)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            for future in [pool.submit(run, *task) for task in tasks]:
+                future.result()
+    return outs
+
+
+def _row_mask(real: torch.Tensor, shape: tuple, a: int, b: int) -> torch.Tensor:
+    """``real`` (over the leading dims of ``shape``) for the flattened elements ``[a, b)`` of a tensor of ``shape``."""
+    per_row = math.prod(shape[real.dim():])
+    r0, r1 = a // per_row, -(-b // per_row)
+    return real.reshape(-1)[r0:r1].repeat_interleave(per_row)[a - r0 * per_row:b - r0 * per_row]
 
 
 @dataclass
@@ -152,15 +215,6 @@ def materialize(case: Case, device: Union[str, torch.device] = "cpu", *,
     checks set it large ("poison") and expect real-row results to be bit-identical.
     """
     dtype = case.torch_dtype
-    shapes = parameter_shapes(case.config, case.scope)
-    draws = _draw_all(case.seed, {**shapes, **{f"input/{n}": s for n, s in input_shapes(case).items()},
-                                  "grad_output": output_shape(case)})
-    params = {}
-    for name, shape in shapes.items():
-        value = initial_value(case.seed, name, shape, draws[name])
-        param_dtype = torch.float32 if (dtype == torch.bfloat16 and name in FP32_PARAMETERS) else dtype
-        params[name] = value.to(param_dtype).to(device).requires_grad_(True)
-
     if isinstance(case.layout, ThdLayout):
         kinds = case.layout.row_kinds()
         real = torch.tensor([k == "real" for k in kinds], dtype=torch.bool)
@@ -169,19 +223,29 @@ def materialize(case: Case, device: Union[str, torch.device] = "cpu", *,
         kinds = []
         real = torch.ones(_token_shape(case), dtype=torch.bool)
         psp = None
+    all_real = bool(real.all())
 
-    def rows_scaled(x: torch.Tensor) -> torch.Tensor:
-        if padding_scale == 1.0 or bool(real.all()):
-            return x
-        mask = real.reshape(real.shape + (1,) * (x.dim() - real.dim()))
-        return torch.where(mask, x, x * padding_scale)
+    def param(name: str, shape: tuple) -> _Draw:
+        param_dtype = torch.float32 if (dtype == torch.bfloat16 and name in FP32_PARAMETERS) else dtype
+        return _Draw(name, shape, param_dtype, lambda x, a, b: _scaled(name, shape, x))
 
-    inputs = {name: rows_scaled(draws[f"input/{name}"]).to(dtype).to(device).requires_grad_(True)
-              for name in input_shapes(case)}
-    d_out = draws["grad_output"]
-    if case.scope == "layer":
-        d_out = d_out * real.reshape(real.shape + (1,)).to(d_out.dtype)
-    else:
-        d_out = rows_scaled(d_out)
-    return CaseTensors(params=params, inputs=inputs, grad_output=d_out.to(dtype).to(device), packed_seq_params=psp,
-                       real_rows=real.to(device), row_kinds=kinds)
+    def rows_scaled(name: str, shape: tuple) -> _Draw:  # non-real rows times padding_scale
+        if padding_scale == 1.0 or all_real:
+            return _Draw(name, shape, dtype)
+        return _Draw(name, shape, dtype,
+                     lambda x, a, b: torch.where(_row_mask(real, shape, a, b), x, x * padding_scale))
+
+    def rows_zeroed(name: str, shape: tuple) -> _Draw:  # layer-scope dO: zero on non-real rows
+        if all_real:
+            return _Draw(name, shape, dtype)
+        return _Draw(name, shape, dtype, lambda x, a, b: x * _row_mask(real, shape, a, b).to(x.dtype))
+
+    shapes = parameter_shapes(case.config, case.scope)
+    draws = [param(name, shape) for name, shape in shapes.items()]
+    draws += [rows_scaled(f"input/{name}", shape) for name, shape in input_shapes(case).items()]
+    draws.append((rows_zeroed if case.scope == "layer" else rows_scaled)("grad_output", output_shape(case)))
+    values = _draw_all(case.seed, draws)
+    params = {name: values[name].to(device).requires_grad_(True) for name in shapes}
+    inputs = {name: values[f"input/{name}"].to(device).requires_grad_(True) for name in input_shapes(case)}
+    return CaseTensors(params=params, inputs=inputs, grad_output=values["grad_output"].to(device),
+                       packed_seq_params=psp, real_rows=real.to(device), row_kinds=kinds)

@@ -10,6 +10,10 @@ Sections (``--sections``, all by default):
 * ``stages`` — per stage (compressor, indexer forward, top-k, sparse attention forward / backward, score
   recompute, indexer backward): the fused kernels' time in the core-scope run next to the reference's stage
   function timed in isolation on inputs of the same shapes (:func:`parity.bench_workloads.reference_stages`).
+* ``breakdown`` — per profile × tokens: one warm fused core forward + backward under ``torch.profiler``, its device
+  time split into the providers' kernels and the composition's own ops by the repository line that issued them,
+  and the idle time (wall - device busy): what to cut to bring the composition ratio down
+  (:mod:`parity.bench_breakdown`).
 * ``scaling`` — reference forward + backward time and peak memory against the tokens ``T`` at fixed W and K: a THD
   pack of fixed-length segments (must grow linearly), one sequence of ``T`` (the indexer's scores are ``T × T/4``),
   the dense loss; and the memory of single reference functions (the dense-loss teacher, the indexer scores and the
@@ -59,6 +63,7 @@ import torch
 
 from cases.errors import CaseError
 
+from .bench_breakdown import profile_step
 from .bench_flops import H200_BF16_PEAK_TFLOPS, kernel_flops, tflops
 from .bench_harness import harness_throughput
 from .bench_measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_memory, is_oom, synchronize,
@@ -68,9 +73,9 @@ from .bench_scaling import findings_from_fits, fit_series, function_series
 from .bench_workloads import (LAYOUTS, LOSSES, StageCall, Workload, clear_caches, forward_backward,
                               fused_compressor_stage, make_tensors, reference_stages, tensor_bytes)
 
-SECTIONS = ("e2e", "stages", "scaling", "harness")
+SECTIONS = ("e2e", "stages", "breakdown", "scaling", "harness")
 #: Share of the remaining budget each section may use when it starts (the last one takes what is left).
-SECTION_SHARE = {"e2e": 0.45, "stages": 0.35, "scaling": 0.45, "harness": 1.0}
+SECTION_SHARE = {"e2e": 0.45, "stages": 0.35, "breakdown": 0.3, "scaling": 0.45, "harness": 1.0}
 
 DEFAULTS = {
     "cpu": {"profiles": ("tiny",), "tokens": (256, 512, 1024, 2048), "segment_len": 256, "dtype": "float32",
@@ -233,6 +238,8 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
       ``composition_ratio``;
     * ``stages``: ``profile tokens layout group`` + ``fused`` / ``reference`` {``status time_ms tflops
       peak_mem_bytes retained_bytes function kernels``} + ``speedup`` (reference / fused);
+    * ``breakdown``: label + ``impl provider status message wall_ms busy_ms idle_ms device_ms provider_ms
+      composition_ms sites_total sites[{site op calls ms}]`` (largest first);
     * ``scaling``: ``series`` (``name impl kind function points[{tokens status time_ms peak_mem_bytes
       retained_bytes}]``) and ``fits`` (``series metric slope points verdict``);
     * ``harness``: ``suite cases total_s cases_per_min phases{name: s} implementation_s overhead_s overhead_share
@@ -244,7 +251,7 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
 
     return {"schema": SCHEMA, "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "argv": list(argv), "settings": settings.to_dict(), "env": environment(settings.device),
-            "machine": machine(), "peak_tflops": settings.peak_tflops, "e2e": [], "stages": [],
+            "machine": machine(), "peak_tflops": settings.peak_tflops, "e2e": [], "stages": [], "breakdown": [],
             "scaling": {"series": [], "fits": []}, "harness": None, "targets": [], "findings": [], "skipped": [],
             "duration_s": None}
 
@@ -554,6 +561,41 @@ class Bench:
             free_memory(device, collect=failed)
         return point
 
+    # ---- breakdown
+    def run_breakdown(self) -> None:
+        deadline = self.budget.section(SECTION_SHARE["breakdown"])
+        for tokens in self.s.tokens:
+            for profile in self.s.profiles:
+                self.report["breakdown"].append(self.breakdown(self.workload(profile, tokens, scope="core"),
+                                                               deadline))
+
+    def breakdown(self, work: Workload, deadline: Optional[float]) -> dict:
+        """One fused core forward + backward profiled (:mod:`parity.bench_breakdown`) after a warm-up run."""
+        row = dict(work.label(), impl="fused", provider=None, status="ok", message="")
+        if Budget.passed(deadline):
+            row.update(status="skipped", message="time budget")
+            return row
+        device = self.s.device
+        tensors = step = None
+        failed = False
+        try:
+            impl = self._impl("fused")
+            row["provider"] = impl.resolve_provider(self.s.provider)
+            tensors = make_tensors(work, device)
+            step = forward_backward(impl.api, work.case, tensors, impl.context(row["provider"]))
+            for _ in range(max(self.s.warmup, 1)):
+                step()
+            row.update(profile_step(step, device))
+        except Exception as exc:  # noqa: BLE001 — a row, not a crash
+            row.update(status=_status_of(exc), message=_one_line(exc))
+            failed = True
+        finally:
+            del tensors, step
+            free_memory(device, collect=failed)
+        self.log(f"breakdown {work.profile} T={work.tokens}: {row['status']} wall {row.get('wall_ms')} ms, "
+                 f"composition {row.get('composition_ms')} ms, idle {row.get('idle_ms')} ms {row['message']}")
+        return row
+
     # ---- harness
     def run_harness(self) -> None:
         deadline = self.budget.section(SECTION_SHARE["harness"])
@@ -677,6 +719,9 @@ def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], 
     if "e2e" in settings.sections and settings.device == "cuda" and "pro" in settings.profiles:
         report["pro_pack_probe"] = pro_pack_probe(bench, bench.budget.section(0.3))
         done("pro_pack_probe")
+    if "breakdown" in settings.sections:
+        bench.run_breakdown()
+        done("breakdown")
     if "scaling" in settings.sections:
         bench.run_scaling()
         done("scaling")

@@ -136,6 +136,18 @@ def render_tables(report: dict, console=None) -> None:
                       _tf(g.get("tflops")), _mib(g.get("peak_mem_bytes")),
                       "—" if not r.get("speedup") else f"{r['speedup']:.2f}")
         console.print(t)
+    for r in report.get("breakdown", []):
+        if r.get("status") != "ok":
+            console.print(f"breakdown {r['profile']} T={r['tokens']}: {r.get('status')} {r.get('message')}")
+            continue
+        idle = "—" if r.get("idle_ms") is None else _ms(r["idle_ms"])
+        t = Table(title=f"Breakdown {r['profile']} T={r['tokens']} ({r['provider']}): wall {_ms(r['wall_ms'])} ms = "
+                        f"providers {_ms(r['provider_ms'])} + composition {_ms(r['composition_ms'])} + idle {idle}")
+        for col in ("site (first repository frame)", "op", "calls", "ms"):
+            t.add_column(col, justify="right" if col in ("calls", "ms") else "left", overflow="fold")
+        for site in r["sites"][:12]:
+            t.add_row(site["site"], site["op"], str(site["calls"]), _ms(site["ms"]))
+        console.print(t)
     fits = report["scaling"]["fits"]
     if fits:
         t = Table(title="Scaling with T (log-log slope; 1 = linear, 2 = quadratic)")

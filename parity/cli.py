@@ -38,7 +38,7 @@ examples:
   dsv4-parity run --case '{"config": {...}, "layout": {...}}'
   dsv4-parity run --suite smoke --oracle thd-pack --impl reference
   dsv4-parity run --out reports/out/latest --resume   # continue a killed run
-  dsv4-parity run --suite nightly --workers auto      # one worker per visible GPU, one merged results.jsonl
+  dsv4-parity run --suite nightly --workers auto      # up to 4 workers per visible GPU, one merged results.jsonl
 
 outcomes: pass, fail (numeric or structural), error (exception, CUDA fault, crashed worker), unsupported (the
 implementation declined the case, or it needs a GPU). The exit code is 1 iff a case failed or errored.
@@ -78,10 +78,13 @@ def _add_output(p: argparse.ArgumentParser) -> None:
                         "(a fresh child per case); auto = worker on GPU or with --workers > 1, none otherwise")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case in a worker (default 1800)")
     p.add_argument("--workers", default="1", metavar="N|auto",
-                   help="worker processes sharing the cases (default 1 = as without sharding); auto = one per "
-                        "visible CUDA device (1 on CPU). On CUDA each worker is pinned to one GPU "
-                        "(CUDA_VISIBLE_DEVICES); on CPU each uses one thread. Cases go most expensive first to "
-                        "the next idle worker; the parent writes the one results.jsonl")
+                   help="worker processes sharing the cases (default 1 = as without sharding); auto = on CUDA "
+                        "GPUs x clamp(cores // (4 x GPUs), 1, 4), e.g. 4 on one GPU with 16 cores (a GPU sweep is "
+                        "host-bound: kernel JIT and tensor draws), 1 on CPU. On CUDA each worker is pinned to one "
+                        "GPU (CUDA_VISIBLE_DEVICES), several share a GPU round-robin, and a case that runs out of "
+                        "GPU memory while sharing is re-run once alone on its GPU; on CPU each uses one thread. "
+                        "Cases go most expensive first to the next idle worker; the parent writes the one "
+                        "results.jsonl")
     p.add_argument("--threads", type=int, metavar="T",
                    help="intra-op threads per worker (default: 1 per CPU worker, cores/N per GPU worker, "
                         "unchanged for one worker). CPU results are bitwise reproducible only at equal T")

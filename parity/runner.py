@@ -8,12 +8,15 @@
 * ``resume``: keeps the finished cases of an existing ``results.jsonl`` and runs only the others;
 * isolation ``none`` (in-process, the CPU default), ``worker`` (a child process replaced after any error or crash,
   the GPU default) or ``case`` (a fresh child per case);
-* ``workers`` (``--workers N|auto``, :mod:`parity.shard`): N child processes, on CUDA one per visible GPU (each
-  pinned with ``CUDA_VISIBLE_DEVICES``), fed from one queue ordered by estimated cost; the parent alone writes the
-  one ``results.jsonl`` as cases finish (completion order). The ``run`` row records ``workers``, ``devices`` and
-  ``threads``; every ``case`` row the ``worker`` (slot index) and ``device`` (``cpu`` / ``cuda:<token>``) it ran
-  on. With one worker the run is what it was before sharding (suite order, same isolation);
-* ``budget_s`` (``--budget-s``): no case starts once the budget is spent (cases already running finish); the
+* ``workers`` (``--workers N|auto``, :mod:`parity.shard`): N child processes, on CUDA each pinned to one visible
+  GPU (``CUDA_VISIBLE_DEVICES``; ``auto`` puts up to 4 on a GPU), fed from one queue ordered by estimated cost; the
+  parent alone writes the one ``results.jsonl`` as cases finish (completion order). The ``run`` row records
+  ``workers``, ``devices`` and ``threads``; every ``case`` row the ``worker`` (slot index) and ``device`` (``cpu`` /
+  ``cuda:<token>``) it ran on, and ``retried`` if it ran out of GPU memory on a shared GPU and this is its re-run
+  alone (:class:`parity.worker.WorkerPool`). With one worker the run is what it was before sharding (suite order,
+  same isolation);
+* ``budget_s`` (``--budget-s``): no case starts once the budget is spent (cases already running finish, and so does
+  the re-run alone of a case that ran out of GPU memory: it was started before); the
   ``end`` row then says ``stopped: "budget"`` and lists the ``not_run`` case ids, the run counts as incomplete
   (reports, ``compare --update``) and the exit code is 1 — a time-boxed run never passes as a full one;
 * prints a progress bar (rich) and one line per case that did not pass, then
@@ -267,6 +270,8 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
             jobs = ((c, request(c)) for c in within_budget(todo))
             for done in pool.run(jobs, on_start=lambda c, _: progress.starting(c)):
                 rows = done.rows if done.rows is not None else error_rows(done.key, config.options, done.why)
+                if done.retried:  # re-run alone after running out of GPU memory on a shared GPU (additive field)
+                    rows[0].setdefault("retried", done.retried)
                 finished(done.key, rows, done.slot)
     finally:
         progress.close()

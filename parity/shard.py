@@ -2,8 +2,12 @@
 
 ``dsv4-parity run --workers N|auto`` starts ``N`` worker processes (:class:`parity.worker.WorkerPool`):
 
-* **auto** = the number of visible CUDA devices when the run is on CUDA, else 1. With one worker nothing changes:
-  the cases run in suite order, in-process on CPU and in one unpinned child on CUDA (as before ``--workers``).
+* **auto** (:func:`auto_workers`) = on CUDA ``gpus × per_gpu`` with ``per_gpu = clamp(cores // (4 × gpus), 1, 4)``
+  (16 cores and one GPU: 4 workers; 2 cores: 1), else 1. Several workers per GPU because a GPU sweep is host-bound
+  (first-call kernel JIT compiles, CPU-side tensor draws) while the GPU mostly idles; a case that runs out of GPU
+  memory while sharing its GPU is re-run alone on it (:class:`parity.worker.WorkerPool`). With one worker nothing
+  changes: the cases run in suite order, in-process on CPU and in one unpinned child on CUDA (as before
+  ``--workers``).
 * **Pinning**: worker ``i`` of a multi-worker CUDA run gets ``CUDA_VISIBLE_DEVICES=<token i mod #devices>`` (the
   token as the parent sees it: an index or a GPU/MIG UUID from the parent's own ``CUDA_VISIBLE_DEVICES``), so it
   sees exactly one GPU as ``cuda:0``; more workers than GPUs share them round-robin. A CPU worker of a
@@ -93,15 +97,40 @@ def _cuda_tokens() -> list[str]:
     return visible_cuda_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), count)
 
 
-def resolve_workers(workers: Union[int, str], device: str, tokens: Optional[Sequence[str]] = None) -> int:
-    """The worker count: ``auto`` = visible CUDA devices on ``device == "cuda"`` (at least 1), else 1."""
+#: ``auto`` on CUDA: at most this many workers per GPU, and at least this many cores per worker.
+AUTO_MAX_PER_GPU = 4
+AUTO_CORES_PER_WORKER = 4
+
+
+def auto_workers(device: str, gpus: int, cores: int) -> int:
+    """The ``--workers auto`` count: on CUDA ``gpus × per_gpu``, ``per_gpu = clamp(cores // (4 × gpus), 1, 4)``;
+    on CPU (or with no visible GPU) 1.
+
+    Why several workers per GPU: a GPU sweep such as ``gate`` is host-bound, not GPU-bound. Its time goes to
+    first-call CuTe-DSL JIT compiles (tens of kernels at 5-17 s each, single-threaded; the DSL's file cache lets the
+    next process load what one compiled) and to ~1 s of CPU-side tensor draws per case, while the GPU mostly idles;
+    more processes per GPU overlap that host work. The bounds: one worker per 4 cores at most (one per GPU at
+    least), so each keeps cores for its draws and compiles (:func:`plan_slots` gives it ``cores // workers``
+    threads); at most 4 share one GPU, which bounds the GPU memory that concurrent cases hold (a case that still runs
+    out of GPU memory while sharing is re-run alone on its GPU by :class:`parity.worker.WorkerPool`). On CPU one
+    worker, as before: the cases are compute-bound there, so more processes would only split the same cores.
+    """
+    if device != "cuda" or gpus < 1:
+        return 1
+    per_gpu = min(AUTO_MAX_PER_GPU, max(1, cores // (AUTO_CORES_PER_WORKER * gpus)))
+    return gpus * per_gpu
+
+
+def resolve_workers(workers: Union[int, str], device: str, tokens: Optional[Sequence[str]] = None,
+                    cpu_count: Optional[int] = None) -> int:
+    """The worker count: an explicit N, or ``auto`` (:func:`auto_workers` over the visible CUDA devices and cores)."""
     workers = parse_workers(workers)
     if workers != "auto":
         return int(workers)
     if device != "cuda":
         return 1
     tokens = _cuda_tokens() if tokens is None else tokens
-    return max(1, len(tokens))
+    return auto_workers(device, len(tokens), cpu_count or os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -203,5 +232,5 @@ def by_cost(cases: Sequence[Case], device: str = "cpu") -> list[Case]:
     return [case for _, case in indexed]
 
 
-__all__ = ["DTYPE_FACTOR", "Slot", "by_cost", "estimate_cost", "parse_workers", "per_row_macs", "plan_slots",
-           "resolve_workers", "visible_cuda_devices"]
+__all__ = ["AUTO_CORES_PER_WORKER", "AUTO_MAX_PER_GPU", "DTYPE_FACTOR", "Slot", "auto_workers", "by_cost",
+           "estimate_cost", "parse_workers", "per_row_macs", "plan_slots", "resolve_workers", "visible_cuda_devices"]

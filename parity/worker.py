@@ -14,6 +14,17 @@ every case gets a new child; otherwise a child is reused until a case ends in ``
 poisoned) — so a sticky fault still costs exactly one case, without paying process start-up and kernel JIT per
 case. On Linux a child dies with its parent (``PR_SET_PDEATHSIG``): a run killed by a CI time limit leaves no
 worker busy on a GPU.
+
+Several slots may share one device (``--workers auto`` puts up to 4 on a GPU). A job whose answer is an ``error``
+case row that says the GPU ran out of memory (:func:`is_out_of_memory`), from a worker whose device label is shared
+with other workers of the pool, is not yielded: it is re-run once *alone on that device*. As soon as such a retry is
+pending, no new job goes to that device; when none of its workers is busy any more, the other idle children of the
+device are stopped (an idle child keeps its CUDA context and the caching allocator's blocks), the job runs again and
+the device's other workers wait until it ends. Its answer is yielded whatever its outcome, the case row carrying the
+additive field ``retried: "out of memory while sharing <device> with <k> workers; re-run alone"`` (``k``: the pool's
+workers on that device). Other devices keep taking jobs meanwhile. A retried job was already handed out, so it is
+not read again from ``jobs``: a time budget that stops ``jobs`` does not stop a pending retry. With one worker per
+device nothing is retried.
 """
 
 from __future__ import annotations
@@ -37,12 +48,42 @@ PARENT_ENV = "DSV4_PARITY_PARENT"
 
 @dataclass
 class Finished:
-    """A job's end: ``rows`` (the child's answer) or ``None`` and ``why`` (crash, timeout); ``slot`` ran it."""
+    """A job's end: ``rows`` (the child's answer) or ``None`` and ``why`` (crash, timeout); ``slot`` ran it.
+    ``retried``: the note of a job re-run alone after running out of GPU memory on a shared device (else ``None``;
+    also on ``rows[0]`` when there are rows)."""
 
     key: Any
     rows: Optional[list]
     why: str
     slot: Any
+    retried: Optional[str] = None
+
+
+#: What torch and CUDA say when the GPU runs out of memory (lower case): the type name of ``torch.OutOfMemoryError``
+#: (``torch.cuda.OutOfMemoryError`` is the same class), whose message starts "CUDA out of memory. Tried to allocate",
+#: and the CUDA runtime's "out of memory" (``cudaErrorMemoryAllocation``: "CUDA error: out of memory").
+OUT_OF_MEMORY_MARKERS = ("outofmemoryerror", "out of memory")
+
+
+def is_out_of_memory(row: Any) -> bool:
+    """Whether a case row is an ``error`` because the GPU ran out of memory (its ``message`` or
+    ``first_failure.message`` holds one of :data:`OUT_OF_MEMORY_MARKERS`, any case)."""
+    if not isinstance(row, dict) or row.get("outcome") != "error":
+        return False
+    first = row.get("first_failure")
+    texts = [row.get("message"), first.get("message") if isinstance(first, dict) else None]
+    text = " ".join(t for t in texts if isinstance(t, str)).lower()
+    return any(marker in text for marker in OUT_OF_MEMORY_MARKERS)
+
+
+@dataclass
+class _Job:
+    """A job handed out: ``retried`` is the note of its re-run alone (``None`` on its first run)."""
+
+    key: Any
+    request: dict
+    retried: Optional[str] = None
+    device: Any = None  # the device label it ran out of memory on (a pending retry)
 
 
 class Worker:
@@ -152,7 +193,7 @@ class WorkerPool:
         self.workers = [Worker(slot, command) for slot in slots]  # command: the child (tests use a fake)
         self.timeout = timeout
         self.fresh = fresh
-        self._busy: dict[int, tuple[Any, float, Any]] = {}  # worker index -> (key, deadline, registered pipe)
+        self._busy: dict[int, tuple[_Job, float, Any]] = {}  # worker index -> (job, deadline, registered pipe)
 
     @property
     def started(self) -> int:
@@ -176,32 +217,61 @@ class WorkerPool:
     def run(self, jobs: Iterable[tuple[Any, dict]],
             on_start: Optional[Callable[[Any, Any], None]] = None) -> Iterator[Finished]:
         """Run ``(key, request)`` jobs, dispatched in order to idle slots; yield each :class:`Finished` as it
-        ends (completion order). ``on_start(key, slot)`` is called as a job is handed out. ``jobs`` is read lazily,
-        one job as a slot frees up, so a generator can stop handing out work (a run's time budget)."""
+        ends (completion order), each job once. ``on_start(key, slot)`` is called as a job is handed out (again for
+        a re-run alone after running out of GPU memory on a shared device: see the module docstring). ``jobs`` is
+        read lazily, one job as a slot frees up, so a generator can stop handing out work (a run's time budget);
+        a pending re-run is not read from ``jobs`` and so is not stopped by it."""
         queue = _Lookahead(jobs)
         busy = self._busy
         sel = selectors.DefaultSelector()
+        labels = [getattr(w.slot, "device", None) for w in self.workers]
+        sharing = {label: labels.count(label) for label in labels}  # device label -> workers of the pool on it
+        retries: list[_Job] = []  # jobs that ran out of memory on a shared device, to re-run alone on it (FIFO)
+        alone: dict[Any, int] = {}  # device label -> the worker running a retry alone on it
 
-        def release(i: int) -> Any:
-            key, _, pipe = busy.pop(i)
+        def release(i: int) -> _Job:
+            job, _, pipe = busy.pop(i)
             sel.unregister(pipe)  # before the child (and so the pipe) may be closed
-            return key
+            if alone.get(labels[i]) == i:
+                del alone[labels[i]]
+            return job
+
+        def next_job(i: int) -> Optional[_Job]:
+            """The job for idle worker ``i``, or ``None`` (nothing for it now)."""
+            device = labels[i]
+            if device in alone:
+                return None  # its device is lent to a retry running alone
+            retry = next((job for job in retries if job.device == device), None)
+            if retry is not None:  # no new job on this device until it has run
+                if any(labels[j] == device for j in busy):
+                    return None  # wait until the device is idle
+                retries.remove(retry)
+                alone[device] = i
+                for j, other in enumerate(self.workers):
+                    if j != i and labels[j] == device and other.alive:
+                        other.stop()  # an idle child still holds its CUDA context and cached blocks
+                return retry
+            if not queue:  # reads the next job from ``jobs`` (only now: a slot is idle)
+                return None
+            key, request = queue.pop()
+            return _Job(key, request)
 
         try:
-            while busy or queue:  # busy first: the next job is read only when a slot is idle
+            while busy or retries or queue:  # busy first: the next job is read only when a slot is idle
                 for i, w in enumerate(self.workers):
                     if i in busy:
                         continue
-                    if not queue:
-                        break
-                    key, request = queue.pop()
-                    if on_start is not None:
-                        on_start(key, w.slot)
-                    why = w.send(request)
-                    if why:
-                        yield Finished(key, None, why, w.slot)
+                    job = next_job(i)
+                    if job is None:
                         continue
-                    busy[i] = (key, time.monotonic() + self.timeout, w.proc.stdout)
+                    if on_start is not None:
+                        on_start(job.key, w.slot)
+                    why = w.send(job.request)
+                    if why:
+                        alone.pop(labels[i], None)
+                        yield Finished(job.key, None, why, w.slot, job.retried)
+                        continue
+                    busy[i] = (job, time.monotonic() + self.timeout, w.proc.stdout)
                     sel.register(w.proc.stdout, selectors.EVENT_READ, i)
                 if not busy:
                     continue
@@ -213,19 +283,26 @@ class WorkerPool:
                     if answer is None:
                         continue
                     rows, why = answer
-                    key = release(i)
+                    job = release(i)
                     if rows is None:
                         w.kill()
                     elif self.fresh or (rows and rows[0].get("outcome") == "error"):
                         w.stop()  # a poisoned CUDA context must not run the next case
-                    yield Finished(key, rows, why, w.slot)
+                    device = labels[i]
+                    if rows and job.retried is None and sharing[device] > 1 and is_out_of_memory(rows[0]):
+                        note = f"out of memory while sharing {device} with {sharing[device]} workers; re-run alone"
+                        retries.append(_Job(job.key, job.request, note, device))
+                        continue
+                    if rows and job.retried is not None:
+                        rows[0]["retried"] = job.retried
+                    yield Finished(job.key, rows, why, w.slot, job.retried)
                 now = time.monotonic()
                 for i in [i for i, (_, deadline, _) in busy.items() if deadline <= now]:
                     w = self.workers[i]
-                    key = release(i)
+                    job = release(i)
                     why = f"timed out after {self.timeout:g} s (worker killed): {w.stderr_tail()}"
                     w.kill()
-                    yield Finished(key, None, why, w.slot)
+                    yield Finished(job.key, None, why, w.slot, job.retried)
         finally:
             sel.close()
 
@@ -289,6 +366,8 @@ def main() -> int:
         rows = execute(request)
         proto.write(MARK + json.dumps(rows, separators=(",", ":"), allow_nan=False) + "\n")
         proto.flush()
+        if torch.cuda.is_initialized():  # workers sharing a GPU: give the case's cached blocks back to the others
+            torch.cuda.empty_cache()
     sys.stderr.flush()
     os._exit(0)  # EOF: nothing left to save; skipping interpreter teardown (torch, CUDA) frees the slot sooner
 

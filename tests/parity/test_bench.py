@@ -50,6 +50,12 @@ def test_bench_report_covers_every_section(small_run):
     assert all(r["reference"]["status"] == "ok" for r in report["stages"])
     assert {f["series"] for f in report["scaling"]["fits"]} >= {"reference, THD pack of fixed segments",
                                                                   "reference, one sequence"}
+    breakdown = report["breakdown"]
+    assert [(r["tokens"], r["status"]) for r in breakdown] == [(64, "ok"), (128, "ok")]
+    for r in breakdown:  # the torch provider's ops are the provider's; the compressor and index maps are ours
+        assert r["provider_ms"] > 0 and r["composition_ms"] > 0 and r["wall_ms"] > 0
+        assert any(s["site"].startswith("fused/") for s in r["sites"]), r["sites"]
+        assert not any(s["site"].startswith(("fused/kernels/", "parity/")) for s in r["sites"]), r["sites"]
     h = report["harness"]
     assert h["status"] == "ok" and h["cases"] == 2 and sum(h["counts"].values()) == 2
     assert 0 <= h["overhead_share"] <= 1 and "impl forward" in h["phases"] and "compare" in h["phases"]

@@ -36,10 +36,35 @@ def test_bad_workers_values_name_the_field(value):
         shard.parse_workers(value)
 
 
-def test_auto_is_one_worker_per_visible_gpu_and_one_on_cpu():
+@pytest.mark.parametrize("device, cores, gpus, expected", [
+    ("cuda", 2, 1, 1),     # too few cores for a second worker: 2 // 4 = 0, clamped up to 1 per GPU
+    ("cuda", 4, 1, 1),
+    ("cuda", 8, 1, 2),
+    ("cuda", 16, 1, 4),    # the H100 / H200 machines: 4 workers share the GPU
+    ("cuda", 64, 1, 4),    # at most 4 per GPU, however many cores
+    ("cuda", 16, 2, 4),    # 2 per GPU
+    ("cuda", 12, 3, 3),    # 1 per GPU
+    ("cuda", 64, 8, 16),
+    ("cuda", 128, 8, 32),  # 4 per GPU on an 8-GPU host
+    ("cuda", 16, 0, 1),    # no visible GPU
+    ("cpu", 16, 0, 1),     # CPU: one worker, as before
+    ("cpu", 128, 8, 1),
+])
+def test_auto_workers_per_gpu_follow_the_cores(device, cores, gpus, expected):
+    assert shard.auto_workers(device, gpus, cores) == expected
+    tokens = [str(i) for i in range(gpus)]
+    assert shard.resolve_workers("auto", device, tokens=tokens, cpu_count=cores) == expected
+
+
+def test_auto_on_one_gpu_shares_it_with_four_threads_each():
+    workers = shard.resolve_workers("auto", "cuda", tokens=["3"], cpu_count=16)
+    slots = shard.plan_slots(workers, "cuda", tokens=["3"], cpu_count=16)
+    assert [s.device for s in slots] == ["cuda:3"] * 4
+    assert {s.env["CUDA_VISIBLE_DEVICES"] for s in slots} == {"3"} and {s.threads for s in slots} == {4}
+
+
+def test_explicit_and_cpu_worker_counts():
     assert shard.resolve_workers("auto", "cpu") == 1
-    assert shard.resolve_workers("auto", "cuda", tokens=["0", "1", "2"]) == 3
-    assert shard.resolve_workers("auto", "cuda", tokens=[]) == 1
     assert shard.resolve_workers("4", "cpu") == 4  # an explicit N runs anywhere (CPU workers are testable)
     assert shard.visible_cuda_devices(None, 3) == ["0", "1", "2"]
     assert shard.visible_cuda_devices("2, 5", 2) == ["2", "5"]  # the parent's own pinning is respected

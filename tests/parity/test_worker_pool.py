@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from parity.shard import plan_slots
-from parity.worker import WorkerPool
+from parity.worker import WorkerPool, is_out_of_memory
 
 CHILD = [sys.executable, str(Path(__file__).with_name("pool_child.py"))]
 
@@ -101,6 +101,189 @@ def test_slots_reach_the_children_environment():
     assert seen == {0: {"CUDA_VISIBLE_DEVICES": "4", "DSV4_PARITY_THREADS": "4", "OMP_NUM_THREADS": "4"},
                     1: {"CUDA_VISIBLE_DEVICES": "GPU-abc", "DSV4_PARITY_THREADS": "4", "OMP_NUM_THREADS": "4"},
                     2: {"CUDA_VISIBLE_DEVICES": "4", "DSV4_PARITY_THREADS": "4", "OMP_NUM_THREADS": "4"}}
+
+
+# ---- out of GPU memory on a shared GPU: re-run alone -----------------------------------------------------------------
+#: ``str`` of the ``torch.OutOfMemoryError`` that torch 2.11.0+cu130 raised on an H200 for
+#: ``torch.empty(1 << 45, dtype=torch.uint8, device="cuda")`` (verbatim, double spaces included)
+TORCH_OOM = (
+    "CUDA out of memory. Tried to allocate 32768.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which 139.29 GiB "
+    "is free. Including non-PyTorch memory, this process has 518.00 MiB memory in use. Of the allocated memory 0 bytes "
+    "is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If reserved but unallocated memory "
+    "is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
+    "for Memory Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-"
+    "pytorch-cuda-alloc-conf)")
+#: what c10's CUDA_CHECK raises for cudaErrorMemoryAllocation (a kernel launch or a library's own cudaMalloc)
+CUDA_RUNTIME_OOM = (
+    "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\nCompile with "
+    "`TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+
+
+def _engine_row(monkeypatch, exc):
+    """The case row that ``parity.runner.execute`` (what a worker child runs) writes when the implementation's run
+    raises ``exc``: the real engine path, on CPU."""
+    from dataclasses import asdict
+
+    from parity import engine
+    from parity.runner import execute
+    from tests.parity.helpers import pick
+
+    def raising(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(engine, "run", raising)
+    case = pick("smoke")
+    return execute({"case": case.to_dict(), "options": asdict(engine.RunOptions(device="cpu")), "oracle": None})[0]
+
+
+def test_out_of_memory_is_recognised_in_the_rows_the_engine_writes(monkeypatch):
+    import torch
+
+    row = _engine_row(monkeypatch, torch.OutOfMemoryError(TORCH_OOM))
+    assert row["outcome"] == "error" and row["message"].startswith("fused run: OutOfMemoryError: CUDA out of memory.")
+    assert is_out_of_memory(row)
+    assert is_out_of_memory(_engine_row(monkeypatch, torch.cuda.OutOfMemoryError("Tried to allocate 2.00 GiB")))
+    assert is_out_of_memory(_engine_row(monkeypatch, RuntimeError(CUDA_RUNTIME_OOM)))
+    assert is_out_of_memory({"outcome": "error", "message": "", "first_failure": {"message": "CUDA out of memory."}})
+    # negative controls: other CUDA / Triton faults, and an out-of-memory text on a row that is not an error
+    for other in (RuntimeError("CUDA error: an illegal memory access was encountered"),
+                  RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448. Reducing "
+                               "block sizes or `num_stages` may help."),
+                  MemoryError()):
+        assert not is_out_of_memory(_engine_row(monkeypatch, other)), other
+    assert not is_out_of_memory(dict(row, outcome="fail"))
+    assert not is_out_of_memory(None)
+
+
+def oom_jobs(tmp_path, *specs):
+    """``(id, do, sleep[, extra])`` jobs that log their start / end to ``tmp_path / "log"``."""
+    items = []
+    for spec in specs:
+        request = {"id": spec[0], "do": spec[1], "sleep": spec[2], "log": str(tmp_path / "log"),
+                   "flag": str(tmp_path / f"{spec[0]}.flag")}
+        request.update(spec[3] if len(spec) > 3 else {})
+        items.append((spec[0], request))
+    return items
+
+
+def events(tmp_path):
+    """The children's log: ``[(start|end, id, pid, CUDA_VISIBLE_DEVICES)]`` in the order they happened."""
+    return [tuple(line.split()) for line in (tmp_path / "log").read_text().splitlines()]
+
+
+def run_list(pool, items, started=None):
+    """Every :class:`Finished` in yield order; ``started`` collects ``(key, device, [alive per worker])`` as each
+    job is handed out."""
+    hook = None
+    if started is not None:
+        def hook(key, slot):
+            started.append((key, slot.device, [w.alive for w in pool.workers]))
+    try:
+        return list(pool.run(items, on_start=hook))
+    finally:
+        pool.close()
+
+
+def test_out_of_memory_on_a_shared_gpu_is_re_run_alone_on_it(tmp_path):
+    # cuda:0 is shared by workers 0 and 2, cuda:1 has worker 1 alone; "big" runs out of memory on its first run only
+    slots = plan_slots(3, "cuda", tokens=["0", "1"], cpu_count=12)
+    items = oom_jobs(tmp_path, ("big", "oom_once", 0.5), *[(f"f{i}", "pass", 0.2) for i in range(10)])
+    started = []
+    done = run_list(WorkerPool(slots, timeout=30, command=CHILD), items, started)
+
+    assert sorted(f.key for f in done) == sorted(k for k, _ in items)  # each job yielded once: not the OOM answer
+    big = next(f for f in done if f.key == "big")
+    note = "out of memory while sharing cuda:0 with 2 workers; re-run alone"
+    assert big.rows[0]["outcome"] == "pass" and big.rows[0]["retried"] == note and big.retried == note
+    assert big.slot.device == "cuda:0"
+    assert all(f.retried is None and "retried" not in f.rows[0] for f in done if f.key != "big")
+    assert [device for key, device, _ in started if key == "big"] == ["cuda:0", "cuda:0"]
+
+    log = events(tmp_path)
+    assert [e[0] for e in log if e[1] == "big"] == ["start", "end", "start", "end"]
+    first, retry = [n for n, e in enumerate(log) if e[:2] == ("start", "big")]
+    retry_end = max(n for n, e in enumerate(log) if e[:2] == ("end", "big"))
+    on_gpu0 = [e[1] for e in log if e[3] == "0"]
+    assert on_gpu0.count("big") == 4
+    # alone: every other job on GPU 0 that started before the retry had ended before it, and none started or ended
+    # on GPU 0 while it ran
+    for n, e in enumerate(log[:retry]):
+        if e[0] == "start" and e[3] == "0" and e[1] != "big":
+            assert any(x[:2] == ("end", e[1]) for x in log[n:retry]), f"{e[1]} still ran on GPU 0 at the retry"
+    assert [e for e in log[retry + 1:retry_end] if e[3] == "0"] == []
+    # the other idle child of GPU 0 was stopped before the retry (it would hold GPU memory)
+    alive_at_retry = [alive for key, _, alive in started if key == "big"][1]
+    assert alive_at_retry[2] is False
+
+
+def test_the_idle_children_of_the_gpu_are_stopped_for_the_retry(tmp_path):
+    slots = plan_slots(2, "cuda", tokens=["0"], cpu_count=8)
+    items = oom_jobs(tmp_path, ("big", "oom_once", 0.3), ("a", "pass", 0.0))
+    started = []
+    done = run_list(WorkerPool(slots, timeout=30, command=CHILD), items, started)
+    assert sorted(f.key for f in done) == ["a", "big"]
+    assert started[0][:2] == ("big", "cuda:0") and started[1][:2] == ("a", "cuda:0")
+    assert started[2][0] == "big" and started[2][2] == [False, False]  # worker 1 ran "a", then was stopped
+    assert started[1][2] == [True, False]  # negative control: before that, its sibling's child was running
+    pids = {f.key: f.rows[0]["pid"] for f in done}
+    assert pids["big"] != pids["a"]
+
+
+@pytest.mark.parametrize("slots", [plan_slots(2, "cuda", tokens=["0", "1"]), plan_slots(1, "cuda", tokens=["0"])],
+                         ids=["a GPU each", "one worker"])
+def test_out_of_memory_without_sharing_is_yielded_as_is(tmp_path, slots):
+    items = oom_jobs(tmp_path, ("oom", "oom", 0.0), ("p", "pass", 0.0))
+    done = run_list(WorkerPool(slots, timeout=30, command=CHILD), items)
+    assert sorted(f.key for f in done) == ["oom", "p"]
+    oom = next(f for f in done if f.key == "oom")
+    assert oom.rows[0]["outcome"] == "error" and is_out_of_memory(oom.rows[0])
+    assert "retried" not in oom.rows[0] and oom.retried is None
+    assert [e[0] for e in events(tmp_path) if e[1] == "oom"] == ["start", "end"]  # ran once
+
+
+def test_another_error_on_a_shared_gpu_is_yielded_as_is(tmp_path):
+    items = oom_jobs(tmp_path, ("e", "error", 0.0), ("p", "pass", 0.0))
+    done = run_list(WorkerPool(plan_slots(2, "cuda", tokens=["0"]), timeout=30, command=CHILD), items)
+    assert sorted(f.key for f in done) == ["e", "p"]
+    e = next(f for f in done if f.key == "e")
+    assert e.rows[0]["outcome"] == "error" and "retried" not in e.rows[0] and e.retried is None
+    assert [x[0] for x in events(tmp_path) if x[1] == "e"] == ["start", "end"]
+
+
+def test_a_retry_that_runs_out_of_memory_again_is_yielded(tmp_path):
+    items = oom_jobs(tmp_path, ("oom", "oom", 0.0), *[(f"p{i}", "pass", 0.05) for i in range(4)])
+    done = run_list(WorkerPool(plan_slots(2, "cuda", tokens=["0"]), timeout=30, command=CHILD), items)
+    assert sorted(f.key for f in done) == ["oom", "p0", "p1", "p2", "p3"]  # once each: no second retry, no loop
+    oom = next(f for f in done if f.key == "oom")
+    assert oom.rows[0]["outcome"] == "error" and is_out_of_memory(oom.rows[0])
+    assert oom.rows[0]["retried"] == "out of memory while sharing cuda:0 with 2 workers; re-run alone"
+    assert [e[0] for e in events(tmp_path) if e[1] == "oom"] == ["start", "end", "start", "end"]
+
+
+def test_a_retry_that_crashes_is_yielded_with_its_note(tmp_path):
+    items = oom_jobs(tmp_path, ("big", "oom_once", 0.0, {"then": "crash"}), ("p", "pass", 0.0))
+    done = run_list(WorkerPool(plan_slots(2, "cuda", tokens=["0"]), timeout=30, command=CHILD), items)
+    big = next(f for f in done if f.key == "big")
+    assert big.rows is None and "worker crashed (exit code 3)" in big.why
+    assert big.retried == "out of memory while sharing cuda:0 with 2 workers; re-run alone"
+
+
+def test_a_retry_is_not_read_from_the_jobs_and_the_budget_cannot_drop_it(tmp_path):
+    """``jobs`` is still read lazily: a generator that stops (a time budget) stops new work, not a pending retry."""
+    items = oom_jobs(tmp_path, ("big", "oom_once", 0.3), ("a", "pass", 0.0), ("never", "pass", 0.0))
+    handed = []
+
+    def budget():
+        for item in items:
+            if item[0] == "never":  # the budget ran out
+                return
+            handed.append(item[0])
+            yield item
+
+    done = run_list(WorkerPool(plan_slots(2, "cuda", tokens=["0"]), timeout=30, command=CHILD), budget())
+    assert sorted(f.key for f in done) == ["a", "big"] and handed == ["big", "a"]
+    assert next(f for f in done if f.key == "big").rows[0]["retried"]
 
 
 PARENT = """

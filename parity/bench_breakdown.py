@@ -1,0 +1,160 @@
+"""Where the fused path's time goes outside its kernels (``dsv4-parity bench --sections breakdown``).
+
+One warm forward + backward of the fused core is run under ``torch.profiler`` with Python stacks. Every device
+kernel (CUDA) — or, on the CPU, every op's self time — is attributed to a **site**:
+
+* ``provider`` — launched inside a kernel provider (a frame in ``fused/kernels/`` or in the kernel packages
+  ``cudnn`` / ``flash_mla`` / ``cutlass`` / ``tvm_ffi``), or launched outside any PyTorch op (the CuTe-DSL kernels go
+  through TVM-FFI, not through an ATen op, so they have no CPU op to hang on): that is the time the composition
+  ratio's denominator already counts;
+* a built-in autograd node without a frame of ours (``autograd CatBackward0``): the backward of an eager op;
+* otherwise the **innermost frame of this repository** that issued the op (``fused/sparse_attention.py:62
+  sparse_attention_backward``), with the ATen op name (``aten::masked_fill``): the composition's own copies, casts,
+  pads, index maps and eager compressor.
+
+The step's wall time (synchronised) minus the union of the device busy intervals is the **idle** time: host work
+the GPU waited for (Python, launches, host syncs). ``sites`` lists the composition sites by device time, largest
+first, so the first rows are what to cut.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Callable, Iterable, Optional
+
+from .bench_measure import synchronize
+
+#: Path segments of frames that belong to a kernel provider (its padding, its wrapper, the kernel packages).
+PROVIDER_PACKAGES = ("cudnn", "flash_mla", "cutlass", "tvm_ffi")
+#: Top-level folders of this repository's code (everything else is torch or the Python runtime).
+OWN_PACKAGES = ("fused", "cases", "reference")
+_FRAME = re.compile(r"^(?P<path>.+)\((?P<line>\d+)\): (?P<func>.*)$")
+_AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+
+
+def classify(chain: Iterable[str]) -> Optional[str]:
+    """The site of an op from the names above it, innermost first (:func:`ancestry`): ``"provider"``, the innermost
+    frame of ours (``"fused/x.py:12 fn"``), ``"autograd <node>"`` when a built-in autograd node comes first, or None.
+
+    Frames are the profiler's ``"path(line): function"`` names; anything else is skipped.
+    """
+    for name in chain:
+        if name.startswith(_AUTOGRAD_NODE):
+            return "autograd " + name[len(_AUTOGRAD_NODE):]
+        m = _FRAME.match(name)
+        if not m:
+            continue
+        parts = m["path"].replace("\\", "/").split("/")
+        folders = parts[:-1]
+        if any(p in folders for p in PROVIDER_PACKAGES) or ("fused" in folders and "kernels" in folders):
+            return "provider"
+        own = [i for i, p in enumerate(folders) if p in OWN_PACKAGES]
+        if own:
+            return f"{'/'.join(parts[own[-1]:])}:{m['line']} {m['func'].strip()}"
+    return None
+
+
+def ancestry(event: Any) -> list[str]:
+    """Names above ``event``, innermost first: its recorded ``stack`` frames when the profiler gives them, and the
+    names of its CPU ancestors (Python-function events and autograd nodes in newer profilers)."""
+    names: list[str] = []
+    e = event
+    while e is not None:
+        names.extend(getattr(e, "stack", None) or [])
+        if e is not event:
+            names.append(str(e.name))
+        e = getattr(e, "cpu_parent", None)
+    return names
+
+
+def _top_op(event: Any) -> str:
+    """The outermost ATen op above ``event`` (``aten::contiguous`` rather than the ``aten::copy_`` it runs)."""
+    name, e = event.name, event
+    while e is not None:
+        if str(e.name).startswith("aten::"):
+            name = e.name
+        e = getattr(e, "cpu_parent", None)
+    return str(name)
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start_us, end_us)`` intervals, in ms."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e3
+
+
+def attribute(events: Iterable[Any], device: str) -> dict:
+    """``{"device_ms", "busy_ms", "provider_ms", "composition_ms", "sites": [...]}`` from profiler events.
+
+    CUDA: the cost of an op is the device time of the kernels it launched (``kernels``), and device events not
+    attached to any op count as ``provider``. CPU: the cost is each op's self CPU time (no device side).
+    """
+    from torch.autograd import DeviceType
+
+    sites: dict[tuple[str, str], dict] = {}
+    device_ms = attached_ms = provider_ms = 0.0
+    intervals: list[tuple[float, float]] = []
+    for e in events:
+        if device == "cuda":
+            if e.device_type != DeviceType.CPU:
+                intervals.append((e.time_range.start, e.time_range.end))
+                device_ms += (e.time_range.end - e.time_range.start) / 1e3
+                continue
+            cost = sum(k.duration for k in getattr(e, "kernels", [])) / 1e3
+        else:
+            if e.device_type != DeviceType.CPU or not str(e.name).startswith("aten::"):
+                continue
+            cost = e.self_cpu_time_total / 1e3
+        if cost <= 0:
+            continue
+        attached_ms += cost
+        site = classify(ancestry(e))
+        if site == "provider":
+            provider_ms += cost
+            continue
+        site = site or "(no repository frame)"
+        key = (site, _top_op(e))
+        row = sites.setdefault(key, {"site": key[0], "op": key[1], "calls": 0, "ms": 0.0})
+        row["calls"] += 1
+        row["ms"] += cost
+    if device == "cuda":
+        provider_ms += max(device_ms - attached_ms, 0.0)  # kernels launched outside ATen ops: CuTe DSL / TVM-FFI
+    else:
+        device_ms = attached_ms
+    ordered = sorted(sites.values(), key=lambda r: -r["ms"])
+    for r in ordered:
+        r["ms"] = round(r["ms"], 4)
+    return {"device_ms": round(device_ms, 4), "busy_ms": round(_union_ms(intervals), 4) if intervals else None,
+            "provider_ms": round(provider_ms, 4), "composition_ms": round(sum(r["ms"] for r in ordered), 4),
+            "sites": ordered}
+
+
+def profile_step(step: Callable[[], None], device: str, top: int = 25) -> dict:
+    """One unprofiled call of ``step`` (already warm) for the wall time, then one under the profiler for the
+    attribution (:func:`attribute`; the profiler's own host cost would inflate the wall time, not the device's).
+    ``idle_ms`` = wall - device busy (CUDA). ``sites`` keeps the ``top`` largest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    t0 = time.perf_counter()
+    step()
+    synchronize(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities, with_stack=True, record_shapes=False) as prof:
+        step()
+        synchronize(device)
+    out = attribute(prof.events(), device)
+    out["wall_ms"] = round(wall_ms, 4)
+    out["idle_ms"] = None if out["busy_ms"] is None else round(max(wall_ms - out["busy_ms"], 0.0), 4)
+    out["sites_total"] = len(out["sites"])
+    out["sites"] = out["sites"][:top]
+    return out

@@ -1,0 +1,97 @@
+"""The composition breakdown (``bench --sections breakdown``): every op's time goes to the provider, to the line of
+ours that issued it, or to the built-in autograd node that ran it — checked on names and on fake profiler events
+(the CUDA attribution), each rule with a control that would be misfiled without it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from torch.autograd import DeviceType
+
+from parity.bench_breakdown import _union_ms, ancestry, attribute, classify
+
+
+def test_classify_provider_own_frame_and_autograd_node():
+    assert classify(["/repo/fused/kernels/cudnn_provider.py(283): sparse_attn_bwd",
+                     "/repo/fused/sparse_attention.py(62): sparse_attention_backward"]) == "provider"
+    assert classify(["site-packages/cudnn/deepseek_sparse_attention/api.py(10): run",
+                     "/repo/fused/indexer.py(80): select_topk"]) == "provider"
+    assert classify(["torch/nn/functional.py(5000): pad",
+                     "/repo/fused/sparse_attention.py(35): flash_mla_forward"]) \
+        == "fused/sparse_attention.py:35 flash_mla_forward"
+    # the innermost decisive name wins: an autograd node inside a frame of ours is the node's backward
+    assert classify(["autograd::engine::evaluate_function: CatBackward0",
+                     "/repo/fused/core_attention.py(90): run_core"]) == "autograd CatBackward0"
+    # negative controls: harness frames and torch frames are not sites of the composition
+    assert classify(["/repo/parity/bench_workloads.py(166): step", "/repo/parity/cli.py(1): main"]) is None
+    assert classify(["aten::copy_", "torch/_tensor.py(1): backward"]) is None
+    # a file named like a package is not the package: only folders count
+    assert classify(["/repo/tools/fused.py(3): helper"]) is None
+
+
+@dataclass
+class _Event:
+    """The FunctionEvent fields :func:`attribute` reads."""
+
+    name: str
+    device_type: Any = DeviceType.CPU
+    kernels: list = field(default_factory=list)
+    stack: list = field(default_factory=list)
+    cpu_parent: Optional["_Event"] = None
+    start: float = 0.0
+    end: float = 0.0
+    self_cpu_time_total: float = 0.0
+
+    @property
+    def time_range(self):
+        return SimpleNamespace(start=self.start, end=self.end)
+
+
+def _kernel(us: float):
+    return SimpleNamespace(duration=us)
+
+
+def test_attribute_cuda_events():
+    frame = _Event("/repo/fused/sparse_attention.py(62): sparse_attention_backward")
+    masked = _Event("aten::masked_fill", cpu_parent=frame, kernels=[_kernel(300)])
+    provider = _Event("aten::copy_", cpu_parent=_Event("aten::contiguous", cpu_parent=_Event(
+        "/repo/fused/kernels/cudnn_provider.py(280): sparse_attn_bwd")), kernels=[_kernel(200)])
+    node = _Event("aten::cat", cpu_parent=_Event("autograd::engine::evaluate_function: CatBackward0"),
+                  kernels=[_kernel(100)])
+    device = [_Event("k1", DeviceType.CUDA, start=0, end=300), _Event("k2", DeviceType.CUDA, start=250, end=450),
+              _Event("k3", DeviceType.CUDA, start=1000, end=1100),
+              _Event("cute_kernel", DeviceType.CUDA, start=2000, end=4000)]  # no CPU op: a TVM-FFI launch
+    out = attribute([masked, provider, node] + device, "cuda")
+    assert out["device_ms"] == 2.6
+    assert out["busy_ms"] == 2.55  # the union: k1 and k2 overlap by 50 us
+    # provider = the op inside the provider frame (0.2) + the device time no op launched (2.6 - 0.6)
+    assert out["provider_ms"] == 2.2
+    assert out["composition_ms"] == 0.4
+    assert [(s["site"], s["op"], s["ms"]) for s in out["sites"]] == [
+        ("fused/sparse_attention.py:62 sparse_attention_backward", "aten::masked_fill", 0.3),
+        ("autograd CatBackward0", "aten::cat", 0.1)]
+
+
+def test_attribute_cpu_uses_self_time_of_aten_ops():
+    frame = _Event("/repo/fused/compressor.py(37): _overlap")
+    ops = [_Event("aten::roll", cpu_parent=frame, self_cpu_time_total=500),
+           _Event("aten::roll", cpu_parent=frame, self_cpu_time_total=250),
+           _Event("/repo/fused/compressor.py(37): _overlap", self_cpu_time_total=9999)]  # not an op: ignored
+    out = attribute(ops, "cpu")
+    assert out["busy_ms"] is None and out["provider_ms"] == 0
+    assert out["sites"] == [{"site": "fused/compressor.py:37 _overlap", "op": "aten::roll", "calls": 2, "ms": 0.75}]
+
+
+def test_ancestry_reads_recorded_stacks_and_parents():
+    root = _Event("/repo/fused/layer.py(10): attention_layer")
+    leaf = _Event("aten::mm", stack=["/repo/fused/ops.py(25): linear"], cpu_parent=_Event("aten::matmul",
+                                                                                           cpu_parent=root))
+    assert ancestry(leaf) == ["/repo/fused/ops.py(25): linear", "aten::matmul", root.name]
+
+
+def test_union_of_intervals():
+    assert _union_ms([(0, 1000), (500, 1500), (3000, 4000)]) == 2.5
+    assert _union_ms([(0, 1000), (100, 200)]) == 1.0  # contained
+    assert _union_ms([]) == 0
