@@ -3,10 +3,11 @@
 One warm forward + backward of the fused core is run under ``torch.profiler`` with Python stacks. Every device
 kernel (CUDA) — or, on the CPU, every op's self time — is attributed to a **site**:
 
-* ``provider`` — launched inside a kernel provider (a frame in ``fused/kernels/`` or in the kernel packages
-  ``cudnn`` / ``flash_mla`` / ``cutlass`` / ``tvm_ffi``), or launched outside any PyTorch op (the CuTe-DSL kernels go
-  through TVM-FFI, not through an ATen op, so they have no CPU op to hang on): that is the time the composition
-  ratio's denominator already counts;
+* ``provider`` — launched inside a provider stage call (each runs in a ``record_function("provider::<stage>")``
+  range while profiling, so the CuTe-DSL kernels, launched through TVM-FFI and not an ATen op, hang on it), from a
+  frame in ``fused/kernels/`` or the kernel packages (``cudnn`` / ``flash_mla`` / ``cutlass`` / ``tvm_ffi``), or
+  attached to no op (to no CPU event, or straight to an autograd Function's range: profilers hang TVM-FFI launches
+  there): the time the composition ratio's denominator already counts;
 * a built-in autograd node without a frame of ours (``autograd CatBackward0``): the backward of an eager op;
 * otherwise the **innermost frame of this repository** that issued the op (``fused/sparse_attention.py:62
   sparse_attention_backward``), with the ATen op name (``aten::masked_fill``): the composition's own copies, casts,
@@ -31,6 +32,8 @@ PROVIDER_PACKAGES = ("cudnn", "flash_mla", "cutlass", "tvm_ffi")
 OWN_PACKAGES = ("fused", "cases", "reference")
 _FRAME = re.compile(r"^(?P<path>.+)\((?P<line>\d+)\): (?P<func>.*)$")
 _AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+#: ``record_function`` name prefix around every provider stage call while profiling (:class:`ProviderRanges`).
+PROVIDER_RANGE = "provider::"
 
 
 def classify(chain: Iterable[str]) -> Optional[str]:
@@ -40,6 +43,8 @@ def classify(chain: Iterable[str]) -> Optional[str]:
     Frames are the profiler's ``"path(line): function"`` names; anything else is skipped.
     """
     for name in chain:
+        if name.startswith(PROVIDER_RANGE):
+            return "provider"
         if name.startswith(_AUTOGRAD_NODE):
             return "autograd " + name[len(_AUTOGRAD_NODE):]
         m = _FRAME.match(name)
@@ -55,17 +60,70 @@ def classify(chain: Iterable[str]) -> Optional[str]:
     return None
 
 
-def ancestry(event: Any) -> list[str]:
-    """Names above ``event``, innermost first: its recorded ``stack`` frames when the profiler gives them, and the
-    names of its CPU ancestors (Python-function events and autograd nodes in newer profilers)."""
+def ancestry(event: Any, frames: Optional[dict] = None) -> list[str]:
+    """Names above ``event``, innermost first, the event's own first: its recorded ``stack`` frames when the
+    profiler gives them, its CPU ancestors' names (ops, ``record_function`` ranges, autograd nodes; Python-function
+    events in newer profilers), then ``frames[id(event)]`` (:func:`enclosing_frames`, older profilers)."""
     names: list[str] = []
     e = event
     while e is not None:
+        names.append(str(e.name))
         names.extend(getattr(e, "stack", None) or [])
-        if e is not event:
-            names.append(str(e.name))
         e = getattr(e, "cpu_parent", None)
-    return names
+    return names + (frames or {}).get(id(event), [])
+
+
+def enclosing_frames(events: list) -> dict[int, list[str]]:
+    """``{id(op): [Python-function event names enclosing it, innermost first]}`` by time on the op's thread: profilers
+    that record Python-function events without making them the ops' ``cpu_parent``. One sweep in start order with a
+    stack of the open Python events (they nest properly on a thread)."""
+    from torch.autograd import DeviceType
+
+    by_thread: dict[Any, list] = {}
+    for e in events:
+        if getattr(e, "device_type", None) == DeviceType.CPU:
+            by_thread.setdefault(getattr(e, "thread", None), []).append(e)
+    out: dict[int, list[str]] = {}
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e.time_range.start, -e.time_range.end))
+        open_frames: list = []
+        for e in evs:
+            while open_frames and open_frames[-1].time_range.end < e.time_range.start:
+                open_frames.pop()
+            if _FRAME.match(str(e.name)):
+                open_frames.append(e)
+            elif open_frames:
+                out[id(e)] = [f.name for f in reversed(open_frames) if f.time_range.end >= e.time_range.end]
+    return out
+
+
+class ProviderRanges:
+    """Within ``with``: every provider stage method runs inside ``record_function("provider::<stage>")``, so the
+    kernels it launches — through ATen ops or not (CuTe DSL via TVM-FFI) — hang on that range or below it."""
+
+    def __enter__(self) -> "ProviderRanges":
+        from torch.profiler import record_function
+
+        from .bench_measure import KernelRecorder
+
+        self._patched = []
+        for inst in KernelRecorder("cpu")._instances():
+            for stage in sorted(inst.stages):
+                if stage in vars(inst):
+                    continue
+                method = getattr(inst, stage)
+
+                def ranged(*args, _method=method, _name=PROVIDER_RANGE + stage, **kwargs):
+                    with record_function(_name):
+                        return _method(*args, **kwargs)
+
+                setattr(inst, stage, ranged)
+                self._patched.append((inst, stage))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for inst, stage in self._patched:
+            vars(inst).pop(stage, None)
 
 
 def _top_op(event: Any) -> str:
@@ -94,21 +152,27 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
 def attribute(events: Iterable[Any], device: str) -> dict:
     """``{"device_ms", "busy_ms", "provider_ms", "composition_ms", "sites": [...]}`` from profiler events.
 
-    CUDA: the cost of an op is the device time of the kernels it launched (``kernels``), and device events not
-    attached to any op count as ``provider``. CPU: the cost is each op's self CPU time (no device side).
+    CUDA: the cost of an op is the device time of the kernels it launched (``kernels``; the device-side spans of
+    ``record_function`` ranges are not kernels), and device time attached to no op counts as ``provider``. CPU: the cost is each op's self CPU time (no device side).
     """
     from torch.autograd import DeviceType
 
     sites: dict[tuple[str, str], dict] = {}
     device_ms = attached_ms = provider_ms = 0.0
     intervals: list[tuple[float, float]] = []
+    events = list(events)
+    frames = enclosing_frames(events)
+    # record_function ranges (ours and autograd's) also appear on the device timeline as spans over their kernels,
+    # and are attached to their CPU range like kernels: neither is device work
+    spans = {str(e.name) for e in events if e.device_type != DeviceType.CPU and getattr(e, "is_user_annotation", False)}
     for e in events:
         if device == "cuda":
             if e.device_type != DeviceType.CPU:
-                intervals.append((e.time_range.start, e.time_range.end))
-                device_ms += (e.time_range.end - e.time_range.start) / 1e3
+                if str(e.name) not in spans:
+                    intervals.append((e.time_range.start, e.time_range.end))
+                    device_ms += (e.time_range.end - e.time_range.start) / 1e3
                 continue
-            cost = sum(k.duration for k in getattr(e, "kernels", [])) / 1e3
+            cost = sum(k.duration for k in getattr(e, "kernels", []) if str(k.name) not in spans) / 1e3
         else:
             if e.device_type != DeviceType.CPU or not str(e.name).startswith("aten::"):
                 continue
@@ -116,7 +180,9 @@ def attribute(events: Iterable[Any], device: str) -> dict:
         if cost <= 0:
             continue
         attached_ms += cost
-        site = classify(ancestry(e))
+        # kernels hung directly on a range that is not an op (an autograd Function's forward / backward record) were
+        # launched outside any op: TVM-FFI, i.e. the CuTe-DSL providers (the composition issues ATen ops only)
+        site = "provider" if device == "cuda" and "::" not in str(e.name) else classify(ancestry(e, frames))
         if site == "provider":
             provider_ms += cost
             continue
@@ -149,10 +215,17 @@ def profile_step(step: Callable[[], None], device: str, top: int = 25) -> dict:
     synchronize(device)
     wall_ms = (time.perf_counter() - t0) * 1e3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities, with_stack=True, record_shapes=False) as prof:
-        step()
-        synchronize(device)
-    out = attribute(prof.events(), device)
+    for attempt in range(3):
+        with ProviderRanges(), profile(activities=activities, with_stack=True, record_shapes=False) as prof:
+            step()
+            synchronize(device)
+        try:
+            events = prof.events()
+            break
+        except UnicodeDecodeError:  # torch's event parsing now and then reads a torn name (torch 2.13, CPU): again
+            if attempt == 2:
+                raise
+    out = attribute(events, device)
     out["wall_ms"] = round(wall_ms, 4)
     out["idle_ms"] = None if out["busy_ms"] is None else round(max(wall_ms - out["busy_ms"], 0.0), 4)
     out["sites_total"] = len(out["sites"])

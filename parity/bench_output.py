@@ -63,6 +63,11 @@ def check_schema(report: Any) -> list[str]:
     for i, f in enumerate(report["scaling"].get("fits", [])):
         need(f, {"series": str, "metric": str, "slope": (int, float, type(None)), "verdict": str},
              f"scaling.fits[{i}]")
+    for i, row in enumerate(report.get("breakdown", [])):  # absent from reports older than the section
+        need(row, {"profile": str, "tokens": int, "status": str}, f"breakdown[{i}]")
+        if isinstance(row, dict) and row.get("status") == "ok":
+            need(row, {"wall_ms": (int, float), "provider_ms": (int, float), "composition_ms": (int, float),
+                       "sites": list}, f"breakdown[{i}]")
     h = report.get("harness")
     if h is not None:
         need(h, {"suite": str, "status": str}, "harness")

@@ -74,6 +74,7 @@ def test_check_schema_rejects_broken_reports(small_run):
     r = copy.deepcopy(good); del r["stages"][0]["reference"]["time_ms"]; broken.append(r)   # noqa: E702
     r = copy.deepcopy(good); r["targets"][0]["status"] = "great"; broken.append(r)          # noqa: E702
     r = copy.deepcopy(good); del r["harness"]["overhead_share"]; broken.append(r)           # noqa: E702
+    r = copy.deepcopy(good); del r["breakdown"][0]["provider_ms"]; broken.append(r)         # noqa: E702
     for i, doc in enumerate(broken):
         assert bench_output.check_schema(doc), f"corruption {i} not reported"
 

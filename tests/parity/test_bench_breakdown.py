@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from torch.autograd import DeviceType
 
-from parity.bench_breakdown import _union_ms, ancestry, attribute, classify
+from parity.bench_breakdown import _union_ms, ancestry, attribute, classify, enclosing_frames
 
 
 def test_classify_provider_own_frame_and_autograd_node():
@@ -43,6 +43,8 @@ class _Event:
     start: float = 0.0
     end: float = 0.0
     self_cpu_time_total: float = 0.0
+    thread: int = 0
+    is_user_annotation: bool = False
 
     @property
     def time_range(self):
@@ -50,7 +52,7 @@ class _Event:
 
 
 def _kernel(us: float):
-    return SimpleNamespace(duration=us)
+    return SimpleNamespace(duration=us, name="kernel")
 
 
 def test_attribute_cuda_events():
@@ -63,15 +65,26 @@ def test_attribute_cuda_events():
     device = [_Event("k1", DeviceType.CUDA, start=0, end=300), _Event("k2", DeviceType.CUDA, start=250, end=450),
               _Event("k3", DeviceType.CUDA, start=1000, end=1100),
               _Event("cute_kernel", DeviceType.CUDA, start=2000, end=4000)]  # no CPU op: a TVM-FFI launch
-    out = attribute([masked, provider, node] + device, "cuda")
+    # a record_function range: its device-side span covers its kernels and is attached to it like a kernel
+    span = _Event("provider::indexer_backward", DeviceType.CUDA, start=1900, end=4100, is_user_annotation=True)
+    ranged = _Event("provider::indexer_backward", kernels=[SimpleNamespace(duration=2200,
+                                                                            name="provider::indexer_backward")])
+    function = _Event("IndexerSparseAttnFunc", kernels=[_kernel(150)])  # a TVM-FFI launch hung on the Function
+    out = attribute([masked, provider, node, ranged, span, function] + device, "cuda")
     assert out["device_ms"] == 2.6
     assert out["busy_ms"] == 2.55  # the union: k1 and k2 overlap by 50 us
-    # provider = the op inside the provider frame (0.2) + the device time no op launched (2.6 - 0.6)
+    # provider = the op inside the provider frame (0.2) + the launch on the Function's range (0.15) + the device
+    # time no op launched (2.6 - 0.75)
     assert out["provider_ms"] == 2.2
     assert out["composition_ms"] == 0.4
     assert [(s["site"], s["op"], s["ms"]) for s in out["sites"]] == [
         ("fused/sparse_attention.py:62 sparse_attention_backward", "aten::masked_fill", 0.3),
         ("autograd CatBackward0", "aten::cat", 0.1)]
+    # negative control: counted as device work, the span would double the provider's time
+    span.is_user_annotation = False
+    assert attribute([masked, provider, node, ranged, span] + device, "cuda")["device_ms"] == 4.8
+    # negative control: on the CPU a non-op range is never a provider launch (only ATen ops' self time counts)
+    assert attribute([function], "cpu")["sites"] == []
 
 
 def test_attribute_cpu_uses_self_time_of_aten_ops():
@@ -88,7 +101,33 @@ def test_ancestry_reads_recorded_stacks_and_parents():
     root = _Event("/repo/fused/layer.py(10): attention_layer")
     leaf = _Event("aten::mm", stack=["/repo/fused/ops.py(25): linear"], cpu_parent=_Event("aten::matmul",
                                                                                            cpu_parent=root))
-    assert ancestry(leaf) == ["/repo/fused/ops.py(25): linear", "aten::matmul", root.name]
+    assert ancestry(leaf) == ["aten::mm", "/repo/fused/ops.py(25): linear", "aten::matmul", root.name]
+    assert ancestry(leaf, {id(leaf): ["/repo/fused/layer.py(3): f"]})[-1] == "/repo/fused/layer.py(3): f"
+
+
+def test_enclosing_frames_by_time_on_the_same_thread():
+    """Profilers that record Python-function events without parenting ops to them: the frames are found by time."""
+    outer = _Event("/repo/fused/core_attention.py(90): run_core", start=0, end=100)
+    inner = _Event("/repo/fused/compressor.py(37): _overlap", start=10, end=20)
+    op_in = _Event("aten::roll", start=12, end=15)
+    op_out = _Event("aten::cat", start=30, end=40)  # after _overlap returned: only run_core encloses it
+    other = _Event("aten::mm", start=12, end=15)
+    other.thread = 2  # another thread: no frame of thread 1 encloses it
+    for e in (outer, inner, op_in, op_out):
+        e.thread = 1
+    frames = enclosing_frames([op_out, inner, other, outer, op_in])
+    assert frames[id(op_in)] == [inner.name, outer.name]
+    assert frames[id(op_out)] == [outer.name]
+    assert id(other) not in frames
+    assert classify(ancestry(op_out, frames)) == "fused/core_attention.py:90 run_core"
+
+
+def test_provider_range_wins_over_the_frames_outside_it():
+    cute = _Event("provider::indexer_backward", cpu_parent=_Event("IndexerSparseAttnFunc", cpu_parent=_Event(
+        "/repo/fused/indexer_loss.py(240): forward")))
+    assert classify(ancestry(cute)) == "provider"
+    # negative control: without the range the same launch is filed under the composition's line
+    assert classify(ancestry(cute.cpu_parent)) == "fused/indexer_loss.py:240 forward"
 
 
 def test_union_of_intervals():
