@@ -11,7 +11,9 @@ kernel (CUDA) — or, on the CPU, every op's self time — is attributed to a **
 * a built-in autograd node without a frame of ours (``autograd CatBackward0``): the backward of an eager op;
 * otherwise the **innermost frame of this repository** that issued the op (``fused/sparse_attention.py:62
   sparse_attention_backward``), with the ATen op name (``aten::masked_fill``): the composition's own copies, casts,
-  pads, index maps and eager compressor.
+  pads, index maps and eager compressor. Where the profiler gives an op neither a recorded stack nor Python-function
+  events around it (torch 2.11 with CUDA activities, on the H200), the site is ``(no repository frame)`` and the op
+  name is all there is.
 
 The step's wall time (synchronised) minus the union of the device busy intervals is the **idle** time: host work
 the GPU waited for (Python, launches, host syncs). ``sites`` lists the composition sites by device time, largest
