@@ -11,9 +11,10 @@ kernel (CUDA) — or, on the CPU, every op's self time — is attributed to a **
 * a built-in autograd node without a frame of ours (``autograd CatBackward0``): the backward of an eager op;
 * otherwise the **innermost frame of this repository** that issued the op (``fused/sparse_attention.py:62
   sparse_attention_backward``), with the ATen op name (``aten::masked_fill``): the composition's own copies, casts,
-  pads, index maps and eager compressor. Where the profiler gives an op neither a recorded stack nor Python-function
-  events around it (torch 2.11 with CUDA activities, on the H200), the site is ``(no repository frame)`` and the op
-  name is all there is.
+  pads, index maps and eager compressor; where the profiler records no Python frames (torch 2.11 with CUDA
+  activities, on the H200), the innermost composition function around the op (``fused/compressor.py _pool``): while
+  profiling, every function of the composition runs in a ``record_function("fused::<module>.<function>")`` range
+  (:class:`CompositionRanges`).
 
 The step's wall time (synchronised) minus the union of the device busy intervals is the **idle** time: host work
 the GPU waited for (Python, launches, host syncs). ``sites`` lists the composition sites by device time, largest
@@ -36,6 +37,12 @@ _FRAME = re.compile(r"^(?P<path>.+)\((?P<line>\d+)\): (?P<func>.*)$")
 _AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
 #: ``record_function`` name prefix around every provider stage call while profiling (:class:`ProviderRanges`).
 PROVIDER_RANGE = "provider::"
+#: ``record_function`` name prefix around every function of the composition while profiling
+#: (:class:`CompositionRanges`): ``"fused::<module>.<function>"``.
+COMPOSITION_RANGE = "fused::"
+#: The composition's modules (``fused/<name>.py``) whose functions get a range; the rest is plumbing or tooling.
+COMPOSITION_MODULES = ("core_attention", "compressor", "indexer", "indexer_loss", "sparse_attention", "index_maps",
+                       "ops", "layer", "thd")
 
 
 def classify(chain: Iterable[str]) -> Optional[str]:
@@ -47,6 +54,9 @@ def classify(chain: Iterable[str]) -> Optional[str]:
     for name in chain:
         if name.startswith(PROVIDER_RANGE):
             return "provider"
+        if name.startswith(COMPOSITION_RANGE):
+            module, _, func = name[len(COMPOSITION_RANGE):].partition(".")
+            return f"fused/{module}.py {func}"
         if name.startswith(_AUTOGRAD_NODE):
             return "autograd " + name[len(_AUTOGRAD_NODE):]
         m = _FRAME.match(name)
@@ -97,6 +107,44 @@ def enclosing_frames(events: list) -> dict[int, list[str]]:
             elif open_frames:
                 out[id(e)] = [f.name for f in reversed(open_frames) if f.time_range.end >= e.time_range.end]
     return out
+
+
+class CompositionRanges:
+    """Within ``with``: every function of the composition's modules (:data:`COMPOSITION_MODULES`), wherever it is
+    looked up (its own module and every ``fused`` module that imported it), runs inside
+    ``record_function("fused::<module>.<function>")``: the site of an op even where the profiler records no Python
+    frames (torch 2.11 with CUDA activities). Restored on exit."""
+
+    def __enter__(self) -> "CompositionRanges":
+        import importlib
+        import inspect
+
+        from torch.profiler import record_function
+
+        def ranged(func: Callable) -> Callable:
+            name = f"{COMPOSITION_RANGE}{func.__module__.rsplit('.', 1)[-1]}.{func.__name__}"
+
+            def call(*args, **kwargs):
+                with record_function(name):
+                    return func(*args, **kwargs)
+
+            call.__wrapped__ = func
+            return call
+
+        wrapped: dict[int, Callable] = {}
+        self._patched = []
+        for module in [importlib.import_module("fused")] + [importlib.import_module(f"fused.{m}")
+                                                            for m in COMPOSITION_MODULES]:
+            for attr, value in list(vars(module).items()):
+                if inspect.isfunction(value) and value.__module__.rsplit(".", 1)[-1] in COMPOSITION_MODULES \
+                        and value.__module__.startswith("fused."):
+                    setattr(module, attr, wrapped.setdefault(id(value), ranged(value)))
+                    self._patched.append((module, attr, value))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, attr, value in reversed(self._patched):
+            setattr(module, attr, value)
 
 
 class ProviderRanges:
@@ -218,7 +266,8 @@ def profile_step(step: Callable[[], None], device: str, top: int = 25) -> dict:
     wall_ms = (time.perf_counter() - t0) * 1e3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     for attempt in range(3):
-        with ProviderRanges(), profile(activities=activities, with_stack=True, record_shapes=False) as prof:
+        with ProviderRanges(), CompositionRanges(), \
+                profile(activities=activities, with_stack=True, record_shapes=False) as prof:
             step()
             synchronize(device)
         try:

@@ -4,6 +4,7 @@ ours that issued it, or to the built-in autograd node that ran it — checked on
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -134,3 +135,44 @@ def test_union_of_intervals():
     assert _union_ms([(0, 1000), (500, 1500), (3000, 4000)]) == 2.5
     assert _union_ms([(0, 1000), (100, 200)]) == 1.0  # contained
     assert _union_ms([]) == 0
+
+
+def test_composition_range_names_the_function():
+    assert classify(["aten::roll", "fused::compressor._overlap", "/repo/parity/bench_workloads.py(1): step"]) \
+        == "fused/compressor.py _overlap"
+    # the provider range inside a composition function wins (innermost first)
+    assert classify(["aten::copy_", "provider::sparse_attn_bwd", "fused::sparse_attention.sparse_attention_backward"]) \
+        == "provider"
+
+
+def test_composition_ranges_give_sites_without_python_frames():
+    """Without stacks (as torch 2.11 records CUDA runs) the ranges still name the composition's functions; they are
+    restored afterwards. Negative control: the same profile without the ranges has no composition site."""
+    import importlib
+
+    import fused
+    from torch.profiler import ProfilerActivity, profile
+
+    from parity.bench_breakdown import CompositionRanges, ProviderRanges
+    from parity.bench_workloads import Workload, forward_backward, make_tensors
+    from parity.impls import load
+
+    work = Workload("tiny", 64, scope="core")
+    impl = load("fused")
+    step = forward_backward(impl.api, work.case, make_tensors(work, "cpu"), impl.context(impl.resolve_provider("auto")))
+    step()
+    core_module = importlib.import_module("fused.core_attention")  # fused.core_attention is also the function
+    compressor_module = importlib.import_module("fused.compressor")
+    original = core_module.compress_sbhd, compressor_module._pool, fused.core_attention
+
+    def sites(ranges: bool) -> set:
+        with ProviderRanges():
+            with (CompositionRanges() if ranges else contextlib.nullcontext()):
+                with profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
+                    step()
+        return {s["site"] for s in attribute(prof.events(), "cpu")["sites"]}
+
+    with_ranges = sites(True)
+    assert any(s.startswith("fused/compressor.py ") for s in with_ranges), with_ranges
+    assert (core_module.compress_sbhd, compressor_module._pool, fused.core_attention) == original
+    assert not any(s.startswith("fused/") for s in sites(False))
