@@ -27,7 +27,7 @@ import re
 import time
 from typing import Any, Callable, Iterable, Optional
 
-from .bench_measure import synchronize
+from .bench_measure import KernelRecorder, synchronize
 
 #: Path segments of frames that belong to a kernel provider (its padding, its wrapper, the kernel packages).
 PROVIDER_PACKAGES = ("cudnn", "flash_mla", "cutlass", "tvm_ffi")
@@ -131,13 +131,13 @@ class CompositionRanges:
             call.__wrapped__ = func
             return call
 
+        modules = {f"fused.{m}" for m in COMPOSITION_MODULES}
         wrapped: dict[int, Callable] = {}
         self._patched = []
         for module in [importlib.import_module("fused")] + [importlib.import_module(f"fused.{m}")
                                                             for m in COMPOSITION_MODULES]:
             for attr, value in list(vars(module).items()):
-                if inspect.isfunction(value) and value.__module__.rsplit(".", 1)[-1] in COMPOSITION_MODULES \
-                        and value.__module__.startswith("fused."):
+                if inspect.isfunction(value) and value.__module__ in modules:
                     setattr(module, attr, wrapped.setdefault(id(value), ranged(value)))
                     self._patched.append((module, attr, value))
         return self
@@ -147,33 +147,22 @@ class CompositionRanges:
             setattr(module, attr, value)
 
 
-class ProviderRanges:
+class ProviderRanges(KernelRecorder):
     """Within ``with``: every provider stage method runs inside ``record_function("provider::<stage>")``, so the
-    kernels it launches — through ATen ops or not (CuTe DSL via TVM-FFI) — hang on that range or below it."""
+    kernels it launches — through ATen ops or not (CuTe DSL via TVM-FFI) — hang on that range or below it. The
+    stage methods are patched and restored by :class:`KernelRecorder`; only the wrapper differs."""
 
-    def __enter__(self) -> "ProviderRanges":
+    def __init__(self):
+        super().__init__("cpu")
+
+    def _wrap(self, method: Callable, stage: str, provider: str) -> Callable:
         from torch.profiler import record_function
 
-        from .bench_measure import KernelRecorder
+        def ranged(*args, **kwargs):
+            with record_function(PROVIDER_RANGE + stage):
+                return method(*args, **kwargs)
 
-        self._patched = []
-        for inst in KernelRecorder("cpu")._instances():
-            for stage in sorted(inst.stages):
-                if stage in vars(inst):
-                    continue
-                method = getattr(inst, stage)
-
-                def ranged(*args, _method=method, _name=PROVIDER_RANGE + stage, **kwargs):
-                    with record_function(_name):
-                        return _method(*args, **kwargs)
-
-                setattr(inst, stage, ranged)
-                self._patched.append((inst, stage))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for inst, stage in self._patched:
-            vars(inst).pop(stage, None)
+        return ranged
 
 
 def _top_op(event: Any) -> str:
@@ -203,7 +192,8 @@ def attribute(events: Iterable[Any], device: str) -> dict:
     """``{"device_ms", "busy_ms", "provider_ms", "composition_ms", "sites": [...]}`` from profiler events.
 
     CUDA: the cost of an op is the device time of the kernels it launched (``kernels``; the device-side spans of
-    ``record_function`` ranges are not kernels), and device time attached to no op counts as ``provider``. CPU: the cost is each op's self CPU time (no device side).
+    ``record_function`` ranges are not kernels), and device time attached to no op counts as ``provider``. CPU: the
+    cost is each op's self CPU time (no device side).
     """
     from torch.autograd import DeviceType
 
