@@ -37,9 +37,40 @@ def _pool(kv: Tensor, score: Tensor, ape: Tensor, ratio: int, head_dim: int, ove
 def _overlap(t: Tensor, first: Tensor, fill: float, d: int) -> Tensor:
     """r = 4 window of 2r tokens: slots ``[0, r)`` from the previous block's first channel half, ``[r, 2r)`` from the
     own block's second half; the previous half is ``fill`` on rows that start a sequence / segment."""
-    prev = torch.roll(t[..., :d], shifts=1, dims=0)
-    prev = torch.where(first.view((-1,) + (1,) * (t.dim() - 1)), torch.full_like(prev, fill), prev)
-    return torch.cat([prev, t[..., d:]], dim=1)
+    return _OverlapWindow.apply(t, first.view((-1,) + (1,) * (t.dim() - 1)), fill, d)
+
+
+class _OverlapWindow(torch.autograd.Function):
+    """``t (rows, r, ..., 2d)`` -> ``(rows, 2r, ..., d)``, written in place of a roll + where + cat (and their
+    backward: two zero-filled slice gradients and a sum), which cost more than the window itself.
+
+    Row ``i``'s previous block is row ``i - 1`` (row 0 wraps to the last row, as a roll does; it always starts a
+    sequence, so it is ``fill`` either way). ``first`` is bool, broadcastable to one window half.
+    """
+
+    @staticmethod
+    def forward(ctx, t: Tensor, first: Tensor, fill: float, d: int) -> Tensor:
+        r = t.shape[1]
+        window = t.new_empty((t.shape[0], 2 * r) + tuple(t.shape[2:-1]) + (d,))
+        window[:, r:] = t[..., d:]
+        window[1:, :r] = t[:-1, ..., :d]
+        window[:1, :r] = t[-1:, ..., :d]
+        window[:, :r].masked_fill_(first, fill)
+        ctx.save_for_backward(first)
+        ctx.r = r
+        return window
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (first,) = ctx.saved_tensors
+        r = ctx.r
+        prev = grad[:, :r].masked_fill(first, 0)
+        g = grad.new_empty((grad.shape[0], r) + tuple(grad.shape[2:-1]) + (2 * grad.shape[-1],))
+        d = grad.shape[-1]
+        g[..., d:] = grad[:, r:]
+        g[:-1, ..., :d] = prev[1:]
+        g[-1:, ..., :d] = prev[:1]
+        return g, None, None, None
 
 
 def _finish(c: Tensor, positions: Tensor, params: dict, prefix: str, config: ModelConfig, rotate: bool,

@@ -114,11 +114,13 @@ def mask_split_topk(given: Tensor, visible: Tensor, topk: int) -> Tensor:
 
 
 def public_topk(ids: Tensor) -> Tensor:
-    """Public convention: int64, ascending, ``-1`` padding at the end (the top-k kernel's slot order is arbitrary)."""
-    ids = ids.long()
-    big = torch.iinfo(torch.int64).max
-    ordered = torch.sort(torch.where(ids < 0, torch.full_like(ids, big), ids), dim=-1).values
-    return torch.where(ordered == big, torch.full_like(ordered, -1), ordered)
+    """Public convention: int64, ascending, ``-1`` padding at the end (the top-k kernel's slot order is arbitrary).
+
+    Sorted as int32 (ids are int32 kernel ids), half the bytes of an int64 sort, widened afterwards."""
+    ids = ids.int()
+    big = torch.iinfo(torch.int32).max
+    ordered = torch.sort(ids.masked_fill(ids < 0, big), dim=-1).values
+    return ordered.masked_fill(ordered == big, -1).long()
 
 
 # ---- public API -----------------------------------------------------------------------------------------------------

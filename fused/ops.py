@@ -77,16 +77,37 @@ def apply_rope(x: Tensor, positions: Tensor, config: ModelConfig, *, inverse: bo
 
     ``positions`` broadcasts against ``x.shape[:-1]`` after the caller's reshape (one entry per row; heads share it).
     """
-    rope_dim = config.qk_pos_emb_head_dim
     cdt = compute_dtype(x.dtype)
     angle = positions.to(torch.float64).unsqueeze(-1) * inv_freq(config, positions.device)
-    cos, sin = torch.cos(angle).to(cdt), torch.sin(angle).to(cdt)
-    if inverse:
-        sin = -sin
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].to(cdt)
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+    turn = torch.complex(torch.cos(angle).to(cdt), torch.sin(angle).to(cdt))
+    return _Rotate.apply(x, turn.conj() if inverse else turn)
+
+
+def _rotate(x: Tensor, turn: Tensor) -> Tensor:
+    """A copy of ``x`` whose last ``2 * turn.shape[-1]`` dims, read as pairs ``(re, im)``, are multiplied by the unit
+    complex numbers ``turn`` (``cos + i sin``) in ``turn``'s precision and rounded once to ``x.dtype``."""
+    rope_dim = 2 * turn.shape[-1]
+    out = torch.empty_like(x)
+    out[..., :-rope_dim] = x[..., :-rope_dim]
+    pairs = x[..., -rope_dim:].to(turn.real.dtype).contiguous().unflatten(-1, (-1, 2))
+    out[..., -rope_dim:] = torch.view_as_real(torch.view_as_complex(pairs) * turn).flatten(-2)
+    return out
+
+
+class _Rotate(torch.autograd.Function):
+    """RoPE as one op each way: the gradient of a rotation is the inverse rotation of the gradient (``turn`` ->
+    its conjugate), so the backward is one more :func:`_rotate` instead of the slice / stack / cat / cast chain
+    autograd would build."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, turn: Tensor) -> Tensor:
+        ctx.save_for_backward(turn)
+        return _rotate(x, turn)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (turn,) = ctx.saved_tensors
+        return _rotate(grad, turn.conj()), None
 
 
 # ---- Hadamard -----------------------------------------------------------------------------------------------------
@@ -106,6 +127,39 @@ def _sylvester_on(d: int, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 def hadamard(x: Tensor) -> Tensor:
     """``rotate_activation``: Sylvester-ordered Walsh–Hadamard transform of the last dim, scaled by ``d**-0.5``."""
+    return _Hadamard.apply(x)
+
+
+def _transform(x: Tensor) -> Tensor:
+    """``(x @ H) * d**-0.5`` accumulated in fp32 (float64 for float64), rounded once to ``x.dtype``.
+
+    On CUDA, 16-bit ``x`` goes straight into a 16-bit GEMM whose epilogue applies the scale to the fp32 accumulator
+    and rounds once to ``x.dtype``: ``H`` is ±1, so every product is exact and the sums are fp32 as in the fp32 GEMM
+    (only their order differs), with no fp32 copy of ``x`` or of the result. Split-K partial sums are kept in fp32
+    (cuBLAS may otherwise reduce them in 16 bits).
+    """
     d = x.shape[-1]
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        flags = torch.backends.cuda.matmul
+        previous = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
+        flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
+        try:
+            y = torch.addmm(x.new_empty(()), x.reshape(-1, d), _sylvester_on(d, x.device, x.dtype), beta=0,
+                            alpha=d ** -0.5)
+        finally:
+            flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = previous
+        return y.view(x.shape)
     cdt = compute_dtype(x.dtype)
-    return (torch.matmul(x.to(cdt), _sylvester_on(d, x.device, cdt)) * d ** -0.5).to(x.dtype)
+    return torch.matmul(x.to(cdt), _sylvester_on(d, x.device, cdt)).mul_(d ** -0.5).to(x.dtype)
+
+
+class _Hadamard(torch.autograd.Function):
+    """``H`` is symmetric, so the gradient of ``x H c`` is ``g H c``: the same transform, one GEMM each way."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return _transform(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _transform(grad)

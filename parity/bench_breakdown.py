@@ -17,7 +17,11 @@ kernel (CUDA) — or, on the CPU, every op's self time — is attributed to a **
   (:class:`CompositionRanges`).
 
 The step's wall time (synchronised) minus the union of the device busy intervals is the **idle** time: host work
-the GPU waited for (Python, launches, host syncs). ``sites`` lists the composition sites by device time, largest
+the GPU waited for (Python, launches, host syncs). On CUDA one more step runs under ``torch.cuda``'s sync debug
+mode: ``host_syncs`` counts the implicit device-to-host synchronisations (``.item()``, ``nonzero``, a copy to the
+host) it reports and names the line of ours that issued each (:func:`sync_sites`); and the step is captured once in
+a CUDA graph and replayed (``graph``, :func:`graph_replay_ms`): the time without the host's launch cost, as a
+production step captured in a graph runs it — a capture that fails names the host read that broke it. ``sites`` lists the composition sites by device time, largest
 first, so the first rows are what to cut.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from typing import Any, Callable, Iterable, Optional
 
 from .bench_measure import KernelRecorder, synchronize
@@ -243,10 +248,78 @@ def attribute(events: Iterable[Any], device: str) -> dict:
             "sites": ordered}
 
 
+def sync_sites(records: Iterable[Any], root_markers: tuple[str, ...] = OWN_PACKAGES) -> dict:
+    """``{"count", "sites": [{"site", "count"}]}`` from the warnings the sync debug mode raised: each is attributed to
+    the Python line that issued the synchronising op, shown from this repository's top folder when it is ours, else
+    as ``package/file.py``."""
+    sites: dict[str, int] = {}
+    count = 0
+    for w in records:
+        if "synchroniz" not in str(getattr(w, "message", "")):
+            continue
+        count += 1
+        parts = str(w.filename).replace("\\", "/").split("/")
+        own = [i for i, p in enumerate(parts[:-1]) if p in root_markers]
+        where = "/".join(parts[own[-1]:] if own else parts[-2:])
+        key = f"{where}:{w.lineno}"
+        sites[key] = sites.get(key, 0) + 1
+    return {"count": count, "sites": [{"site": k, "count": v} for k, v in sorted(sites.items(), key=lambda kv: -kv[1])]}
+
+
+def host_syncs(step: Callable[[], None]) -> dict:
+    """One ``step`` under ``torch.cuda.set_sync_debug_mode("warn")``: :func:`sync_sites` of what it reported."""
+    import torch
+
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:  # before the closing synchronize, which the mode would report as the step's own
+            torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    return sync_sites(records)
+
+
+def graph_replay_ms(step: Callable[[], None], repeats: int = 3) -> dict:
+    """CUDA: ``{"ms": median wall of a replay, "error": None}`` of ``step`` captured once in a CUDA graph (after a
+    warm-up on a side stream, as capture requires), or ``{"ms": None, "error": "<why the capture failed>"}``."""
+    import torch
+
+    graph = None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return {"ms": round(sorted(times)[len(times) // 2], 4), "error": None}
+    except Exception as exc:  # noqa: BLE001 — a failed capture is a finding, reported in the row
+        return {"ms": None, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    finally:
+        del graph
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def profile_step(step: Callable[[], None], device: str, top: int = 25) -> dict:
     """One unprofiled call of ``step`` (already warm) for the wall time, then one under the profiler for the
     attribution (:func:`attribute`; the profiler's own host cost would inflate the wall time, not the device's).
-    ``idle_ms`` = wall - device busy (CUDA). ``sites`` keeps the ``top`` largest."""
+    ``idle_ms`` = wall - device busy (CUDA). ``sites`` keeps the ``top`` largest; ``host_syncs`` and ``graph``
+    (CUDA, else None): :func:`host_syncs`, :func:`graph_replay_ms`."""
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
@@ -269,6 +342,8 @@ def profile_step(step: Callable[[], None], device: str, top: int = 25) -> dict:
     out = attribute(events, device)
     out["wall_ms"] = round(wall_ms, 4)
     out["idle_ms"] = None if out["busy_ms"] is None else round(max(wall_ms - out["busy_ms"], 0.0), 4)
+    out["host_syncs"] = host_syncs(step) if device == "cuda" else None
+    out["graph"] = graph_replay_ms(step) if device == "cuda" else None
     out["sites_total"] = len(out["sites"])
     out["sites"] = out["sites"][:top]
     return out

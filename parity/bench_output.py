@@ -153,6 +153,14 @@ def render_tables(report: dict, console=None) -> None:
         for site in r["sites"][:12]:
             t.add_row(site["site"], site["op"], str(site["calls"]), _ms(site["ms"]))
         console.print(t)
+        syncs = r.get("host_syncs")
+        if syncs is not None:
+            where = ", ".join(f"{s['site']} ×{s['count']}" for s in syncs["sites"][:6])
+            console.print(f"host syncs in one step: {syncs['count']}" + (f" ({where})" if where else ""))
+        graph = r.get("graph")
+        if graph is not None:
+            console.print(f"as a CUDA graph: {_ms(graph['ms'])} ms per replay" if graph.get("ms") else
+                          f"CUDA-graph capture failed: {graph.get('error')}")
     fits = report["scaling"]["fits"]
     if fits:
         t = Table(title="Scaling with T (log-log slope; 1 = linear, 2 = quadratic)")

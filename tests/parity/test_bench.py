@@ -300,3 +300,29 @@ def _parsed(argv):
     from parity.cli import build_parser
 
     return build_parser().parse_args(argv)
+
+
+def test_graph_replay_target_uses_the_worst_breakdown_row(small_run):
+    report = json.loads(small_run[1].read_text())
+    settings = _cpu_settings()
+    rows = [dict(status="ok", profile="kernel", tokens=t, wall_ms=w, busy_ms=b, provider_ms=p, graph=g)
+            for t, w, b, p, g in ((4096, 14.0, 6.0, 4.0, {"ms": 6.0, "error": None}),
+                                  (32768, 54.0, 52.0, 40.0, {"ms": 44.0, "error": None}),
+                                  (8192, 9.0, 8.0, 5.0, {"ms": None, "error": "RuntimeError: capture"}))]
+    report["breakdown"] = rows
+    names = {t["name"]: t for t in bench.evaluate_targets(report, settings)}
+    graphed = names["fused core fwd+bwd as a CUDA graph / sum of its kernels"]
+    assert graphed["measured"] == 1.5 and graphed["status"] == "missed" and "T=4096" in graphed["note"]
+    report["breakdown"] = [dict(rows[1])]  # 44 / 40 = 1.1
+    names = {t["name"]: t for t in bench.evaluate_targets(report, settings)}
+    assert names["fused core fwd+bwd as a CUDA graph / sum of its kernels"]["status"] == "met"
+    report["breakdown"] = [dict(rows[2])]  # negative control: a failed capture gives no graph row
+    names = {t["name"]: t for t in bench.evaluate_targets(report, settings)}
+    assert "fused core fwd+bwd as a CUDA graph / sum of its kernels" not in names
+
+
+def _cpu_settings():
+    from parity.cli import build_parser
+
+    return bench.resolve_settings(build_parser().parse_args(["bench", "--profile", "tiny", "--tokens", "64",
+                                                             "--device", "cpu"]))

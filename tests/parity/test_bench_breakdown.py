@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from torch.autograd import DeviceType
 
-from parity.bench_breakdown import _union_ms, ancestry, attribute, classify, enclosing_frames
+from parity.bench_breakdown import _union_ms, ancestry, attribute, classify, enclosing_frames, sync_sites
 
 
 def test_classify_provider_own_frame_and_autograd_node():
@@ -176,3 +176,15 @@ def test_composition_ranges_give_sites_without_python_frames():
     assert any(s.startswith("fused/compressor.py ") for s in with_ranges), with_ranges
     assert (core_module.compress_sbhd, compressor_module._pool, fused.core_attention) == original
     assert not any(s.startswith("fused/") for s in sites(False))
+
+
+def test_sync_sites_counts_sync_warnings_by_line_of_ours():
+    W = SimpleNamespace
+    records = [W(message="called a synchronizing CUDA operation", filename="/x/repo/fused/thd.py", lineno=12),
+               W(message="called a synchronizing CUDA operation", filename="/x/repo/fused/thd.py", lineno=12),
+               W(message="called a synchronizing CUDA operation", filename="/site-packages/cudnn/api.py", lineno=7),
+               W(message="some other warning", filename="/x/repo/fused/ops.py", lineno=3)]
+    out = sync_sites(records)
+    assert out["count"] == 3
+    assert out["sites"] == [{"site": "fused/thd.py:12", "count": 2}, {"site": "cudnn/api.py:7", "count": 1}]
+    assert sync_sites([records[-1]]) == {"count": 0, "sites": []}  # negative control: not a sync warning
