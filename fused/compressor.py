@@ -88,8 +88,10 @@ def compress_sbhd(x: Tensor, params: dict, prefix: str, config: ModelConfig, rat
         return None
     head_dim = params[f"{prefix}.norm.weight"].shape[0]
     n_comp = seqlen // ratio
-    kv = ops.linear(x[: n_comp * ratio], params[f"{prefix}.linear_wkv.weight"]).view(n_comp, ratio, batch, -1)
-    score = ops.linear(x[: n_comp * ratio], params[f"{prefix}.linear_wgate.weight"]).view(n_comp, ratio, batch, -1)
+    # the partial last block is dropped from the (narrow) projections, not from x: the backward of a slice of x
+    # would zero-fill and copy a full-width gradient of x
+    kv = ops.linear(x, params[f"{prefix}.linear_wkv.weight"])[: n_comp * ratio].view(n_comp, ratio, batch, -1)
+    score = ops.linear(x, params[f"{prefix}.linear_wgate.weight"])[: n_comp * ratio].view(n_comp, ratio, batch, -1)
     first = (torch.arange(n_comp, device=x.device) == 0) if ratio == 4 else None
     c = _pool(kv, score, params[f"{prefix}.ape"], ratio, head_dim, first)
     positions = (torch.arange(n_comp, device=x.device) * ratio).view(n_comp, 1)
