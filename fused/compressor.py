@@ -57,16 +57,14 @@ class _OverlapWindow(torch.autograd.Function):
         window[:1, :r] = t[-1:, ..., :d]
         window[:, :r].masked_fill_(first, fill)
         ctx.save_for_backward(first)
-        ctx.r = r
         return window
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (first,) = ctx.saved_tensors
-        r = ctx.r
+        r, d = grad.shape[1] // 2, grad.shape[-1]
         prev = grad[:, :r].masked_fill(first, 0)
-        g = grad.new_empty((grad.shape[0], r) + tuple(grad.shape[2:-1]) + (2 * grad.shape[-1],))
-        d = grad.shape[-1]
+        g = grad.new_empty((grad.shape[0], r) + tuple(grad.shape[2:-1]) + (2 * d,))
         g[..., d:] = grad[:, r:]
         g[:-1, ..., :d] = prev[1:]
         g[-1:, ..., :d] = prev[:1]

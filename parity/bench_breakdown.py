@@ -21,8 +21,8 @@ the GPU waited for (Python, launches, host syncs). On CUDA one more step runs un
 mode: ``host_syncs`` counts the implicit device-to-host synchronisations (``.item()``, ``nonzero``, a copy to the
 host) it reports and names the line of ours that issued each (:func:`sync_sites`); and the step is captured once in
 a CUDA graph and replayed (``graph``, :func:`graph_replay_ms`): the time without the host's launch cost, as a
-production step captured in a graph runs it — a capture that fails names the host read that broke it. ``sites`` lists the composition sites by device time, largest
-first, so the first rows are what to cut.
+production step captured in a graph runs it — a capture that fails names the host read that broke it. ``sites``
+lists the composition sites by device time, largest first, so the first rows are what to cut.
 """
 
 from __future__ import annotations
