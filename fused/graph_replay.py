@@ -131,6 +131,21 @@ def compare(graph: dict, eager: dict, real: Tensor) -> dict:
     return rows
 
 
+def capture(fn, warmups: int = 1) -> tuple:
+    """``(graph, static result)`` of ``fn()`` captured in a CUDA graph, after ``warmups`` calls on a side stream
+    (JIT compiles and plan caches happen there, as capture requires); replaying the graph refills the result."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
 def check(ratio: int = 4, scope: str = "layer", sparse: bool = True, provider: str = "auto",
           require: tuple = ()) -> dict:
     """Capture on ``PACKINGS[0]``, replay on the others; returns a JSON-able report."""
@@ -151,16 +166,8 @@ def check(ratio: int = 4, scope: str = "layer", sparse: bool = True, provider: s
             eager.append(ref.run())
         report["plan"] = dict(plan.record)
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: JIT compiles and plan caches before capture
-                for _ in range(2):
-                    step.run()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
             t0 = time.perf_counter()
-            with torch.cuda.graph(graph):
-                static_out = step.run()
+            graph, static_out = capture(step.run, warmups=2)
             report["capture"] = {"ok": True, "seconds": round(time.perf_counter() - t0, 3)}
         except Exception as exc:  # noqa: BLE001 - a capture failure is the finding: where it happened
             report["capture"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500],

@@ -71,10 +71,17 @@ def classify(chain: Iterable[str]) -> Optional[str]:
         folders = parts[:-1]
         if any(p in folders for p in PROVIDER_PACKAGES) or ("fused" in folders and "kernels" in folders):
             return "provider"
-        own = [i for i, p in enumerate(folders) if p in OWN_PACKAGES]
+        own = repository_path(parts)
         if own:
-            return f"{'/'.join(parts[own[-1]:])}:{m['line']} {m['func'].strip()}"
+            return f"{own}:{m['line']} {m['func'].strip()}"
     return None
+
+
+def repository_path(parts: list[str]) -> Optional[str]:
+    """A file path split at ``/``, from this repository's innermost top folder (``fused/ops.py``), or None when no
+    folder of it is one of ours."""
+    own = [i for i, p in enumerate(parts[:-1]) if p in OWN_PACKAGES]
+    return "/".join(parts[own[-1]:]) if own else None
 
 
 def ancestry(event: Any, frames: Optional[dict] = None) -> list[str]:
@@ -248,7 +255,7 @@ def attribute(events: Iterable[Any], device: str) -> dict:
             "sites": ordered}
 
 
-def sync_sites(records: Iterable[Any], root_markers: tuple[str, ...] = OWN_PACKAGES) -> dict:
+def sync_sites(records: Iterable[Any]) -> dict:
     """``{"count", "sites": [{"site", "count"}]}`` from the warnings the sync debug mode raised: each is attributed to
     the Python line that issued the synchronising op, shown from this repository's top folder when it is ours, else
     as ``package/file.py``."""
@@ -259,9 +266,7 @@ def sync_sites(records: Iterable[Any], root_markers: tuple[str, ...] = OWN_PACKA
             continue
         count += 1
         parts = str(w.filename).replace("\\", "/").split("/")
-        own = [i for i, p in enumerate(parts[:-1]) if p in root_markers]
-        where = "/".join(parts[own[-1]:] if own else parts[-2:])
-        key = f"{where}:{w.lineno}"
+        key = f"{repository_path(parts) or '/'.join(parts[-2:])}:{w.lineno}"
         sites[key] = sites.get(key, 0) + 1
     return {"count": count, "sites": [{"site": k, "count": v} for k, v in sorted(sites.items(), key=lambda kv: -kv[1])]}
 
@@ -288,16 +293,11 @@ def graph_replay_ms(step: Callable[[], None], repeats: int = 3) -> dict:
     warm-up on a side stream, as capture requires), or ``{"ms": None, "error": "<why the capture failed>"}``."""
     import torch
 
+    from fused.graph_replay import capture
+
     graph = None
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph, _ = capture(step)
         graph.replay()
         torch.cuda.synchronize()
         times = []
