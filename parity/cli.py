@@ -37,7 +37,7 @@ examples:
   dsv4-parity run --case-id 1adad73f706a --suite smoke  # one case (the id prefix is enough)
   dsv4-parity run --case '{"config": {...}, "layout": {...}}'
   dsv4-parity run --suite smoke --oracle thd-pack --impl reference
-  dsv4-parity run --out reports/out/latest --resume   # continue a killed run
+  dsv4-parity run --out reports/out/latest --resume   # continue a killed run (as it was recorded)
   dsv4-parity run --suite nightly --workers auto      # up to 4 workers per visible GPU, one merged results.jsonl
 
 outcomes: pass, fail (numeric or structural), error (exception, CUDA fault, crashed worker), unsupported (the
@@ -68,7 +68,11 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
 def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="run directory (default reports/out/<run-id>); a symlink such as "
                                  "reports/out/latest names the current run: a new run moves it")
-    p.add_argument("--resume", action="store_true", help="keep the finished cases in --out and run the rest")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run recorded in --out: its selection, implementation and options (from its "
+                        "run row); re-runs the cases that errored or were cut off")
+    p.add_argument("--force", action="store_true",
+                   help="replace an --out directory that already holds a run (it is cleared whole)")
     p.add_argument("--make-default", action="store_true",
                    help="point reports/out/latest at this run (what `make report` reads) and render its report")
     p.add_argument("--no-report", action="store_true", help="with --make-default: do not render the report")
@@ -132,19 +136,32 @@ def select_cases(args: argparse.Namespace) -> tuple[str, list]:
 
         names = [args.suite] if args.suite else (["smoke"] if not args.case_id else suite_names())
         label = args.suite or ("smoke" if not args.case_id else "adhoc")
+        suites: dict = {}
         if args.case_id and not args.suite:
             pool = []
             for name in names:
                 try:
-                    pool += load_suite(name)
+                    found = load_suite(name)
                 except CaseError:
                     continue  # a suite file not generated yet
+                pool += found
+                for case in found:
+                    suites.setdefault(case.id, []).append(name)
         else:
             pool = load_suite(names[0])
-        cases = select(pool, args.case_id) if args.case_id else pool
+        cases = select(pool, args.case_id, suites or None) if args.case_id else pool
     if args.limit is not None:
-        cases = cases[:max(args.limit, 0)]
+        cases = cases[:args.limit]
     return label, cases
+
+
+def _selection(label: str, cases: list) -> dict:
+    """The selection recorded on the run row: a suite by name, or the ad-hoc cases themselves."""
+    from cases.suites import suite_names
+
+    if label in suite_names():
+        return {"label": label}
+    return {"label": label, "cases": [c.to_dict() for c in cases]}
 
 
 def _options(args: argparse.Namespace):
@@ -193,32 +210,59 @@ def _render_report(out_dir: Path) -> None:
             print(f"note: report rendering failed: {exc}", file=sys.stderr)
 
 
+def _applicable(cases: list, oracle: Optional[str]) -> list:
+    if not oracle:
+        return cases
+    from .metamorphic import applicable
+
+    return [c for c in cases if applicable(oracle, c)]
+
+
 def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_override: Optional[Path] = None,
                          link_override: Optional[Path] = None) -> tuple[dict, int, Path, Optional[Path]]:
     from .results import summary_line
-    from .runner import RunConfig, new_run_id, point_link, resolve_out_dir, run
+    from .runner import RunConfig, new_run_id, resolve_out_dir, run
     from .shard import parse_workers
+    from .usage import check_run_options
 
-    label, cases = select_cases(args)
-    if oracle:
-        from .metamorphic import applicable
+    from . import resume as resume_mod
 
-        cases = [c for c in cases if applicable(oracle, c)]
-    run_id = new_run_id(label, args.impl, oracle)
+    check_run_options(args)
+    given = getattr(args, "given", set())
+    run_id, recorded = None, None
     if out_override is not None:
         out_dir, link = out_override, link_override
+    elif args.resume:
+        if not args.out:
+            raise CaseError("resume", "needs --out DIR, the run directory to continue")
+        out_dir, link = resolve_out_dir(args.out, "", args.make_default, True)
     else:
-        out_dir, link = resolve_out_dir(args.out, run_id, args.make_default, args.resume)
-        if (out_dir / "results.jsonl").exists() and args.resume:
-            run_id = out_dir.name
+        out_dir = link = None
+    if args.resume and out_dir is not None:
+        recorded = resume_mod.recorded_run(out_dir)
+    if recorded is not None:  # continue exactly the recorded run
+        resume_mod.apply_recorded_options(args, given, recorded, out_dir)
+        oracle = resume_mod.check_oracle(oracle, given, recorded, out_dir)
+        if set(given) & set(resume_mod.SELECTION_OPTIONS):
+            resume_mod.check_selection(given, _applicable(select_cases(args)[1], oracle), recorded, out_dir)
+        label, cases = resume_mod.recorded_cases(recorded, out_dir)
+        run_id = str(recorded.get("run_id") or out_dir.name)
+        _check_impls(args, oracle)
+    else:
+        label, cases = select_cases(args)
+        cases = _applicable(cases, oracle)
+    if run_id is None:
+        run_id = new_run_id(label, args.impl, oracle)
+        if out_override is None:  # nothing recorded to resume: a new run
+            out_dir, link = resolve_out_dir(args.out, run_id, args.make_default, args.resume)
+    check_run_options(args)  # again: the recorded options of a resumed run
     config = RunConfig(suite=label, options=_options(args), out_dir=out_dir, oracle=oracle, resume=args.resume,
                        isolate=args.isolate, timeout=args.timeout, junit=args.junit,
                        argv=["dsv4-parity", *getattr(args, "argv", sys.argv[1:])],
                        run_id=run_id, quiet=args.quiet, workers=parse_workers(getattr(args, "workers", "1")),
-                       threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None))
+                       threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None),
+                       force=getattr(args, "force", False), link=link, selection=_selection(label, cases))
     counts, code = run(cases, config)
-    if link is not None:
-        point_link(link, out_dir)
     _say(summary_line(counts) + (f" [oracle {oracle}]" if oracle else ""))
     return counts, code, out_dir, link
 
@@ -237,6 +281,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     except ValueError as exc:  # ImplError
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the results stream cannot be read or written (e.g. a full disk at the start)
+        print(f"error: {exc.strerror or exc}", file=sys.stderr)
         return 2
     if args.make_default and not args.no_report:
         _render_report(out_dir)
@@ -377,6 +424,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
+    from .resume import given_options
+
+    args.given = given_options(parser, args.argv)
     from .engine import configure_torch
 
     configure_torch()
@@ -385,8 +435,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted (finished cases are kept; continue with --resume)", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        from .runner import Interrupted
+
+        if not isinstance(exc, Interrupted):  # the runner already said how to continue
+            print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `dsv4-parity run ... | head`: the reader left; the results file is complete
         import os
