@@ -6,7 +6,8 @@
 * ``dsv4-parity shrink (--case JSON | --case-id ID --suite NAME) [--max-calls N]`` shrinks a failing case and prints
   the minimal repro. The "still fails" predicate comes from the caller: ``args.predicate_factory`` is a callable
   ``factory(args) -> (Case -> bool)`` (True = still fails), installed with ``add_parsers(..., predicate_factory=f)``
-  or ``set_defaults(predicate_factory=f)`` on the ``shrink`` subparser. Without one, ``shrink`` exits 2.
+  or ``set_defaults(predicate_factory=f)`` on the ``shrink`` subparser. Without one, ``shrink`` exits 2. A predicate
+  with a ``repro(case)`` attribute prints the minimal repro with the options it ran (``--impl`` ...).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def cmd_shrink(args: argparse.Namespace) -> int:
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(small.repro)
+    repro = getattr(predicate, "repro", None)  # the parity predicate knows --impl / --against / --provider
+    print(repro(small) if callable(repro) else small.repro)
     return 0
 
 

@@ -350,6 +350,7 @@ def shrink_predicate(args: argparse.Namespace):
         result = run_case(case, impl, against, options)
         return (result.outcome, result.decided_by) == signature
 
+    still_fails.repro = options.repro  # the minimal repro re-runs with these options
     return still_fails
 
 

@@ -166,6 +166,29 @@ def parse_lines(text: str) -> list[dict]:
     return rows
 
 
+class StreamError(ValueError):
+    """A results stream that cannot be read (missing, binary, not a dsv4-parity stream)."""
+
+
+def read_stream(path: Path) -> list[dict]:
+    """The rows of a ``results.jsonl`` (or of the one in a run directory); torn lines skipped. Raises
+    :class:`StreamError` for a missing or binary file and one without a ``run`` row."""
+    path = Path(path)
+    path = path / "results.jsonl" if path.is_dir() else path
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise StreamError(f"no results file at {path}") from None
+    except OSError as exc:
+        raise StreamError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise StreamError(f"{path} is not a results stream: binary or not UTF-8 text") from None
+    rows = parse_lines(text)
+    if not any(r.get("type") == "run" for r in rows):
+        raise StreamError(f"{path} is not a dsv4-parity results stream (no 'run' row)")
+    return rows
+
+
 def case_blocks(rows: list[dict]) -> tuple[list[list[dict]], list[str]]:
     """``(whole case blocks, ids of cut-off cases)``: a block is a ``case`` row and the ``n_rows`` rows of that case
     right after it (a ``case`` row without ``n_rows``, from before it was recorded, counts as whole)."""
