@@ -15,7 +15,7 @@ WORKERS   ?= 2
 
 ifdef PYTHON
 PY        := $(PYTHON)
-BOOTSTRAP :=
+BOOTSTRAP := check-python
 else
 PY        := $(VENV)/bin/python
 BOOTSTRAP := $(VENV)/.installed
@@ -23,7 +23,7 @@ endif
 
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: help parity test test-all report mutants bench cases venv clean
+.PHONY: help parity test test-all report mutants bench cases venv clean check-python
 
 help:
 	@echo "make parity   run the parity suite (SUITE=$(SUITE), PROVIDER=$(PROVIDER)) and write a report under reports/out/"
@@ -36,11 +36,20 @@ help:
 venv: $(BOOTSTRAP)
 
 $(VENV)/.installed: pyproject.toml
+	@echo "bootstrap: creating $(VENV) (first run only; later runs reuse it)"
 	python3 -m venv $(VENV)
+	@echo "bootstrap: upgrading pip"
 	$(VENV)/bin/python -m pip install -q --upgrade pip
+	@echo "bootstrap: installing torch==2.13.0, CPU build (a large download: a few minutes)"
 	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	@echo "bootstrap: installing dsv4-parity and its dependencies (pyproject.toml: pandas, rich, Jinja2, matplotlib, hypothesis, pytest)"
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	@echo "bootstrap: done; the CLI is $(VENV)/bin/dsv4-parity (or: source $(VENV)/bin/activate)"
 	touch $@
+
+# PYTHON=...: that interpreter must already have torch (nothing is installed into it).
+check-python:
+	@$(PY) -c 'import torch' 2>/dev/null || { echo "error: $(PY) cannot import torch: install torch into it, or run without PYTHON= to bootstrap $(VENV)" >&2; exit 2; }
 
 parity: $(BOOTSTRAP)
 	$(PY) -m parity.cli run --suite $(SUITE) --provider $(PROVIDER) --workers auto --out $(OUT) --make-default

@@ -18,6 +18,14 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+try:  # every command needs torch: say so in one line instead of a traceback from deep in an import
+    import torch  # noqa: F401
+except ModuleNotFoundError:
+    print(f"error: {sys.executable} cannot import torch; install it into that interpreter (pip install torch, or "
+          "`pip install -e .[gpu]` on a GPU runner), or run `make parity` without PYTHON= to bootstrap .venv",
+          file=sys.stderr)
+    raise SystemExit(2) from None
+
 from cases.errors import CaseError
 
 PROVIDERS = ("auto", "torch", "cudnn", "flashmla")
