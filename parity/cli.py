@@ -248,6 +248,10 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
         out_dir = link = None
     if args.resume and out_dir is not None:
         recorded = resume_mod.recorded_run(out_dir)
+        stream = out_dir / "results.jsonl"
+        if recorded is None and stream.is_file() and stream.stat().st_size:
+            raise CaseError("resume", f"{stream} holds no readable run row (killed while starting?): nothing "
+                                      "recorded to continue; start the run again with --force and its options")
     if recorded is not None:  # continue exactly the recorded run
         resume_mod.apply_recorded_options(args, given, recorded, out_dir)
         oracle = resume_mod.check_oracle(oracle, given, recorded, out_dir)
