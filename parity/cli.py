@@ -231,7 +231,7 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
     from .results import summary_line
     from .runner import RunConfig, new_run_id, resolve_out_dir, run
     from .shard import parse_workers
-    from .usage import check_run_options
+    from .usage import check_memory, check_run_options
 
     from . import resume as resume_mod
 
@@ -268,6 +268,7 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
         if out_override is None:  # nothing recorded to resume: a new run
             out_dir, link = resolve_out_dir(args.out, run_id, args.make_default, args.resume)
     check_run_options(args)  # again: the recorded options of a resumed run
+    check_memory(cases, _options(args).torch_device())
     config = RunConfig(suite=label, options=_options(args), out_dir=out_dir, oracle=oracle, resume=args.resume,
                        isolate=args.isolate, timeout=args.timeout, junit=args.junit,
                        argv=["dsv4-parity", *getattr(args, "argv", sys.argv[1:])],

@@ -333,3 +333,18 @@ def test_out_directory_rules_are_unchanged(tmp_path, monkeypatch):
     root = tmp_path / "reports" / "out"
     monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
     assert resolve_out_dir(str(root / "latest"), "R2", True, False) == (root / "R2", root / "latest")
+
+
+def test_a_case_that_cannot_fit_in_memory_is_refused_up_front_with_its_estimate(tmp_path, capsys, monkeypatch):
+    from parity import usage
+
+    case = pick(dtype="float32", layout="bshd", ratio="0")
+    need = 2 * usage.input_bytes(case)
+    monkeypatch.setattr(usage, "host_available_bytes", lambda: need - 1)
+    out = tmp_path / "r"
+    assert main(["run", "--case", case.to_json(), "--impl", "reference", "--quiet", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: case:") and case.id in err and "GiB" in err and len(err.splitlines()) == 1
+    assert not (out / "results.jsonl").exists()
+    monkeypatch.setattr(usage, "host_available_bytes", lambda: need)  # negative control: it fits exactly
+    assert main(["run", "--case", case.to_json(), "--impl", "reference", "--quiet", "--out", str(out)]) == 0
