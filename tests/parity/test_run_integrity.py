@@ -348,3 +348,10 @@ def test_a_case_that_cannot_fit_in_memory_is_refused_up_front_with_its_estimate(
     assert not (out / "results.jsonl").exists()
     monkeypatch.setattr(usage, "host_available_bytes", lambda: need)  # negative control: it fits exactly
     assert main(["run", "--case", case.to_json(), "--impl", "reference", "--quiet", "--out", str(out)]) == 0
+
+
+def test_a_passing_run_prints_no_repro_in_its_report(whole, capsys):
+    assert main(["report", str(whole), "--baseline", "none", "--no-html", "--no-csv"]) == 0
+    out = capsys.readouterr().out
+    assert "Worst offenders" in out and TINY[0] in out  # the offenders table keeps the case ids
+    assert "dsv4-parity run --case" not in out and "Repro" not in out
