@@ -130,6 +130,24 @@ def test_no_workflow_runs_untrusted_code_with_privileges():
     assert len(privilege_problems(BROKEN, "broken")) == 3  # negative control: all but inherited secrets
 
 
+def make_variables() -> set[str]:
+    return set(re.findall(r"^([A-Z_]+)\s*[?:]?=", (ROOT / "Makefile").read_text(), re.M))
+
+
+def shadowed_make_variables(text: str, names: set[str]) -> list[str]:
+    """Keys of a workflow's ``env:`` maps named like a Makefile variable: exported, an empty one would defeat the
+    Makefile's ``?=`` default (``SUITE=`` in the environment runs ``--suite`` with nothing)."""
+    return [key for key in re.findall(r"^\s+([A-Z_]+):", text, re.M) if key in names]
+
+
+def test_no_workflow_env_shadows_a_makefile_variable():
+    names = make_variables()
+    assert {"SUITE", "PROVIDER", "OUT", "JUNIT", "RUN_ARGS", "BASELINE"} <= names
+    for path in WORKFLOWS:
+        assert not shadowed_make_variables(path.read_text(), names), path.name
+    assert shadowed_make_variables("    env:\n      SUITE: ${{ inputs.suite }}\n", names) == ["SUITE"]
+
+
 def make_dry_run(*args: str) -> str:
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
