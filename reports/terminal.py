@@ -128,8 +128,9 @@ def render_drift(drift: DriftResult, console: Console, *, baseline_name: str | N
         grid.add_column(name, justify="left" if name in ("class", "status") else "right")
     for row in drift.classes.itertuples(index=False):
         style = STATUS_STYLE.get(row.status, "")
-        grid.add_row(row.tensor_class, str(row.pairs), _ratio(row.median), _ratio(row.p90), _ratio(row.max),
-                     Text(_ratio(row.statistic), style=style), f"{row.factor:g}x", str(row.worse), str(row.better),
+        grid.add_row(row.tensor_class, str(row.pairs), ratio_text(row.median), ratio_text(row.p90),
+                     ratio_text(row.max), Text(ratio_text(row.statistic), style=style), f"{row.factor:g}x",
+                     str(row.worse), str(row.better),
                      Text(row.status, style=style))
     if not drift.classes.empty:
         console.print(grid)
@@ -149,10 +150,6 @@ def render_drift(drift: DriftResult, console: Console, *, baseline_name: str | N
     if drift.pairs.empty:
         reasons.append("no (case, tensor) pair had the metric on both sides: nothing was compared")
     console.print(f"drift gate: {verdict} {'; '.join(reasons)}")
-
-
-def _ratio(value: float) -> str:
-    return ratio_text(value)
 
 
 def ratio_text(value: object, sign: str = "x") -> str:

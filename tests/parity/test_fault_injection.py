@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from parity import compare_runs
-from parity.cli import main
+from cli.main import main
 from tests.parity.test_run_integrity import RUN, TINY, case_ids
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def agree(a, b) -> compare_runs.Agreement:
 
 def child(argv, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-m", "parity.cli", *argv], cwd=REPO, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "cli", *argv], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
 

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from parity import compare_runs
-from parity.cli import main
+from cli.main import main
 from parity.runner import resolve_out_dir
 from tests.parity.helpers import pick
 
@@ -121,9 +121,9 @@ def test_a_killed_run_is_latest_and_resume_continues_it(tmp_path, monkeypatch, c
     monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
     link = root / "latest"
     args = RUN + ["--out", str(link), "--make-default", "--no-report"]
-    monkeypatch.setattr("parity.runner.new_run_id", lambda *a: "first")
+    monkeypatch.setattr("cli.main.new_run_id", lambda *a: "first")
     assert main(args) == 0  # a complete older run
-    monkeypatch.setattr("parity.runner.new_run_id", lambda *a: "second")
+    monkeypatch.setattr("cli.main.new_run_id", lambda *a: "second")
     import parity.runner as runner
 
     real, calls = runner.execute, []
@@ -243,7 +243,7 @@ def test_cli_without_torch_is_one_line():
     import sys
 
     code = ("import sys; sys.modules['torch'] = None; sys.argv = ['dsv4-parity', 'run']; import runpy; "
-            "runpy.run_module('parity.cli', run_name='__main__')")
+            "runpy.run_module('cli', run_name='__main__')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "cannot import torch" in done.stderr and "Traceback" not in done.stderr
