@@ -21,7 +21,7 @@ BASELINE  ?= auto
 
 ifdef PYTHON
 PY        := $(PYTHON)
-BOOTSTRAP := check-python
+BOOTSTRAP :=
 else
 PY        := $(VENV)/bin/python
 BOOTSTRAP := $(VENV)/.installed
@@ -29,7 +29,7 @@ endif
 
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: help parity test test-all report drift summary mutants bench cases venv clean check-python
+.PHONY: help parity test test-all report drift summary mutants bench cases venv clean
 
 help:
 	@echo "make parity   run the parity suite (SUITE=$(SUITE), PROVIDER=$(PROVIDER)) and write a report under reports/out/"
@@ -55,10 +55,6 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
 	@echo "bootstrap: done; the CLI is $(VENV)/bin/dsv4-parity (or: source $(VENV)/bin/activate)"
 	touch $@
-
-# PYTHON=...: that interpreter must already have torch (nothing is installed into it).
-check-python:
-	@$(PY) -c 'import torch' 2>/dev/null || { echo "error: $(PY) cannot import torch: install torch into it, or run without PYTHON= to bootstrap $(VENV)" >&2; exit 2; }
 
 parity: $(BOOTSTRAP)
 	$(PY) -m cli run --suite $(SUITE) --provider $(PROVIDER) --workers auto --out $(OUT) --make-default \

@@ -155,10 +155,8 @@ def test_concurrent_writers_one_runs_the_other_is_refused(whole, tmp_path):
 
 def _baseline(tmp_path, whole, mangle) -> Path:
     """A baseline directory made from ``whole`` by ``compare --update``, then ``mangle(metrics.csv path)``."""
-    from reports import commands
-
     root = tmp_path / "baselines"
-    assert commands.main(["compare", str(whole), "--update", "--baseline", "cpu/b", "--baselines-dir",
+    assert main(["compare", str(whole), "--update", "--baseline", "cpu/b", "--baselines-dir",
                           str(root)]) == 0
     path = root / "cpu" / "b" / "metrics.csv"
     mangle(path)
@@ -212,19 +210,15 @@ def _garbage(path):
     (_garbage, "not a metrics CSV"),
 ])
 def test_a_corrupt_baseline_fails_the_gate_saying_why(whole, tmp_path, capsys, mangle, why):
-    from reports import commands
-
     baseline = _baseline(tmp_path, whole, mangle)
     capsys.readouterr()
-    code = commands.main(["compare", str(whole), "--baseline", str(baseline)])
+    code = main(["compare", str(whole), "--baseline", str(baseline)])
     captured = capsys.readouterr()
     assert code == 2, captured.out
     assert why in captured.err and "PASS" not in captured.out, captured.err
 
 
 def test_an_intact_baseline_passes_the_gate(whole, tmp_path, capsys):
-    from reports import commands
-
     baseline = _baseline(tmp_path, whole, lambda path: None)  # negative control of the corrupt-baseline cases
-    assert commands.main(["compare", str(whole), "--baseline", str(baseline)]) == 0
+    assert main(["compare", str(whole), "--baseline", str(baseline)]) == 0
     assert "drift gate: PASS" in capsys.readouterr().out
