@@ -65,7 +65,7 @@ from bench.flops import H200_BF16_PEAK_TFLOPS, kernel_flops, tflops
 from bench.harness import harness_throughput
 from bench.measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_memory, is_oom, synchronize,
                             time_call)
-from bench.output import SCHEMA, jsonable
+from bench.output import SCHEMA, jsonable, ms_part
 from bench.scaling import findings_from_fits, fit_series, function_series
 from bench.workloads import (StageCall, Workload, clear_caches, forward_backward,
                               fused_compressor_stage, make_tensors, reference_stages, tensor_bytes)
@@ -314,9 +314,10 @@ class Bench:
         else:
             self._measure_e2e(work, impl_name, row, deadline)
         self.e2e_cache[key] = row
-        self.log(f"e2e {work.profile} T={work.tokens} {work.layout} {work.scope} {work.effective_loss} loss "
-                 f"{impl_name}: {row['status']} "
-                 f"{row['time']['median_ms']} ms {row['message']}")
+        self.log(" ".join(filter(None, (
+            f"e2e {work.profile} T={work.tokens} {work.layout} {work.scope} {work.effective_loss} loss "
+            f"{impl_name}: {row['status']}", ms_part("", row["time"]["median_ms"]),
+            f"({row['message']})" if row["message"] else ""))))
         return row
 
     def _measure_e2e(self, work: Workload, impl_name: str, row: dict, deadline: Optional[float]) -> None:
@@ -590,8 +591,11 @@ class Bench:
         finally:
             del tensors, step
             free_memory(device, collect=failed)
-        self.log(f"breakdown {work.profile} T={work.tokens}: {row['status']} wall {row.get('wall_ms')} ms, "
-                 f"composition {row.get('composition_ms')} ms, idle {row.get('idle_ms')} ms {row['message']}")
+        parts = [ms_part(label, row.get(key)) for label, key in (("wall", "wall_ms"),
+                                                                  ("composition", "composition_ms"),
+                                                                  ("idle", "idle_ms"))]
+        self.log(f"breakdown {work.profile} T={work.tokens}: {row['status']} " + ", ".join(filter(None, parts))
+                 + (f" ({row['message']})" if row["message"] else ""))
         return row
 
     # ---- harness
