@@ -23,7 +23,7 @@ endif
 
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: help parity test test-all report mutants bench cases venv clean
+.PHONY: help parity test test-all report mutants bench cases venv clean clean-cache
 
 help:
 	@echo "make parity   run the parity suite (SUITE=$(SUITE), PROVIDER=$(PROVIDER)) and write a report under reports/out/"
@@ -31,6 +31,7 @@ help:
 	@echo "make report   render the latest run's terminal/CSV/HTML report"
 	@echo "make mutants  run the mutation suite (every planted bug must be caught)"
 	@echo "make bench    benchmark the reference, the fused path and the harness"
+	@echo "make clean-cache  delete the compiled-kernel cache (\$$DSV4_PARITY_CACHE_DIR, default ~/.cache/dsv4-parity)"
 	@echo "Variables: PYTHON=python3 (use an existing interpreter, e.g. CUDA torch), SUITE, PROVIDER, OUT, WORKERS"
 
 venv: $(BOOTSTRAP)
@@ -60,6 +61,9 @@ bench: $(BOOTSTRAP)
 
 cases: $(BOOTSTRAP)
 	$(PY) -m parity.cli cases --suite $(SUITE)
+
+clean-cache: $(BOOTSTRAP)
+	$(PY) -m parity.cli cache --clear
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis reports/out

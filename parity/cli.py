@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
         parsers = cases_cmd.add_parsers(sub, predicate_factory=shrink_predicate) or {}
         if "shrink" in parsers:
             _add_common(parsers["shrink"])
-    for module in ("reports.commands", "parity.mutants_cmd", "parity.bench", "parity.compare_runs"):
+    for module in ("reports.commands", "parity.mutants_cmd", "parity.bench", "parity.compare_runs",
+                   "parity.cache_cmd"):
         mod = _plugin(module)
         if mod is not None and hasattr(mod, "add_parsers"):
             mod.add_parsers(sub)

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import contracts
+from . import compile_cache, contracts
 from .base import KernelSet, Tensor, TupleDict
 from .device_support import (bind, cuda_unavailable_reason, device_major, dtype_reason, first_reason, into,
                              on_device, pad_dim, placement_reason, round_up)
@@ -57,8 +57,17 @@ SM90_DENSE_REFUSAL = ("production refuses the DSv4 dense indexer loss (ratio-4 i
 
 
 def _dsa():
+    """``cudnn.DSA``, with the compiled-kernel caches pointed at the project's directory before the CuTe DSL is
+    imported and the wrappers' compile caches made persistent (:mod:`.compile_cache`)."""
+    if not _INSTALLED:
+        compile_cache.configure_environment()
     from cudnn import DSA  # noqa: PLC0415 - optional dependency, imported on first use
+    if not _INSTALLED:
+        _INSTALLED.append(compile_cache.install())
     return DSA
+
+
+_INSTALLED: list = []
 
 
 def _padded_heads(heads: int) -> int:
