@@ -44,26 +44,26 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 parity: $(BOOTSTRAP)
-	$(PY) -m parity.cli run --suite $(SUITE) --provider $(PROVIDER) --workers auto --out $(OUT) --make-default
+	$(PY) -m cli run --suite $(SUITE) --provider $(PROVIDER) --workers auto --out $(OUT) --make-default
 
 test: $(BOOTSTRAP)
 	$(PY) tests/setup_browser.py || true
 	$(PY) -m pytest -n $(WORKERS) -q
 
 report: $(BOOTSTRAP)
-	$(PY) -m parity.cli report $(OUT)
+	$(PY) -m cli report $(OUT)
 
 mutants: $(BOOTSTRAP)
-	$(PY) -m parity.cli mutants --suite smoke
+	$(PY) -m cli mutants --suite smoke
 
 bench: $(BOOTSTRAP)
-	$(PY) -m parity.cli bench
+	$(PY) -m cli bench
 
 cases: $(BOOTSTRAP)
-	$(PY) -m parity.cli cases --suite $(SUITE)
+	$(PY) -m cli cases --suite $(SUITE)
 
 clean-cache: $(BOOTSTRAP)
-	$(PY) -m parity.cli cache --clear
+	$(PY) -m cli cache --clear
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis reports/out

@@ -21,6 +21,6 @@ print(" ".join(f"--case-id {c.id}" for c in subset + rest))
 PY
 )
 # the hard stop leaves room for the last case started before the budget ran out
-timeout $((limit + 150)) python3 -m parity.cli run --suite gate $ids --provider cudnn --require cudnn \
+timeout $((limit + 150)) python3 -m cli run --suite gate $ids --provider cudnn --require cudnn \
     --workers "${WORKERS:-auto}" --budget-s "$limit" --out "$out" --quiet
 echo "h200-gate: exit $?"

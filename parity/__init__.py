@@ -19,7 +19,7 @@ One module per job:
 ``environment``     versions / GPU / git revision of a run
 ``calibrate``       the measured worst cases behind the policy
 ``impls``           implementations by name (``reference``, ``fused``, ``module:attr``)
-``cli``             ``dsv4-parity`` (``python -m parity.cli``)
+``mutation_suite``  the mutation suite (planted bugs must fail the parity suite)
 ==================  ===================================================================================================
 
 Library use::

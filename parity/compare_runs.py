@@ -1,4 +1,4 @@
-"""Do two runs agree case by case? ``dsv4-parity compare-runs A B`` (``python -m parity.compare_runs A B``).
+"""Do two runs agree case by case? (``dsv4-parity compare-runs A B``).
 
 The check behind "N workers give the same results as one": a sweep sharded over N GPUs (``--workers N``) must
 produce, for every case, exactly what a single-worker run produces. For each case id in both runs it compares
@@ -20,14 +20,12 @@ throughput claim (informational: speed is reported, never asserted).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 CASE_FIELDS = ("outcome", "decided_by", "first_failure", "message", "plan", "topk", "features")
 TENSOR_FIELDS = ("tensor_class", "dtype", "shape", "verdict", "rule")
@@ -224,41 +222,3 @@ def report(agreement: Agreement, a: RunRecord, b: RunRecord, show: int = 20) -> 
     lines.append(f"compare-runs: {agreement.compared} cases in both, {len(agreement.differing_cases)} differ, "
                  f"{len(agreement.only_a)} only in A, {len(agreement.only_b)} only in B{scope}: {verdict}")
     return lines
-
-
-# ---- command line ---------------------------------------------------------------------------------------------------
-def command(args: argparse.Namespace) -> int:
-    try:
-        a, b = load(args.a), load(args.b)
-    except (RunsError, OSError) as exc:
-        print(f"dsv4-parity compare-runs: error: {exc}", file=sys.stderr)
-        return 2
-    agreement = compare(a, b, rel_tol=args.rel_tol, common_only=args.common_only)
-    for line in report(agreement, a, b, show=args.show):
-        print(line)
-    return 0 if agreement.ok else 1
-
-
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare-runs", help="check that two runs agree case by case (e.g. 1 vs N workers)",
-                       description=__doc__.split("\n\n")[0] + " Compares outcomes, verdicts and every metric value "
-                       "per case; ignores durations, worker/device fields and file order. Exit 0 = agree, "
-                       "1 = differ, 2 = unreadable input.")
-    p.add_argument("a", help="run directory or results.jsonl (e.g. the single-GPU run)")
-    p.add_argument("b", help="run directory or results.jsonl (e.g. the --workers N run)")
-    p.add_argument("--rel-tol", type=float, default=0.0,
-                   help="relative tolerance on metric values (default 0: bit-identical)")
-    p.add_argument("--common-only", action="store_true",
-                   help="judge only the cases both runs finished (time-limited or killed runs)")
-    p.add_argument("--show", type=int, default=20, help="differences listed (default 20)")
-    p.set_defaults(func=command)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parity.compare_runs")
-    add_parsers(parser.add_subparsers(dest="command", required=True))
-    return command(parser.parse_args(["compare-runs", *(sys.argv[1:] if argv is None else argv)]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,21 +1,22 @@
-"""The ``cases`` and ``shrink`` subcommands, driven through argparse like parity's CLI will."""
+"""The ``cases`` and ``shrink`` subcommands, driven through their argparse half (:mod:`cli.cases_command`)."""
 
 import argparse
 import json
 
 from cases import Case
-from cases.commands import add_parsers, describe
+from cli import cases_command
+from cli.cases_command import add_parsers, describe
 from cases.suites import load_suite
 
 
-def parser(**kw):
+def parser():
     p = argparse.ArgumentParser(prog="dsv4-parity")
-    add_parsers(p.add_subparsers(dest="command", required=True), **kw)
+    add_parsers(p.add_subparsers(dest="command", required=True))
     return p
 
 
-def run(argv, capsys, **kw):
-    args = parser(**kw).parse_args(argv)
+def run(argv, capsys):
+    args = parser().parse_args(argv)
     rc = args.func(args)
     out = capsys.readouterr()
     return rc, out.out, out.err
@@ -43,15 +44,16 @@ def test_unknown_suite_is_a_clean_error(capsys):
     assert rc == 2 and "unknown suite 'nope'" in err
 
 
-def test_shrink_uses_the_injected_predicate(capsys):
+def test_shrink_uses_its_predicate(capsys, monkeypatch):
     seen = []
 
-    def factory(args):
-        seen.append(args.case_id)
-        return lambda case: case.is_thd and case.layout.num_real_rows >= 3
+    def predicate(args, case):
+        seen.append(case.id)
+        return lambda c: c.is_thd and c.layout.num_real_rows >= 3
 
+    monkeypatch.setattr(cases_command, "shrink_predicate", predicate)
     case = next(c for c in load_suite("smoke") if c.is_thd and c.layout.num_real_rows >= 3)
-    rc, out, err = run(["shrink", "--case-id", case.id, "--suite", "smoke"], capsys, predicate_factory=factory)
+    rc, out, err = run(["shrink", "--case-id", case.id, "--suite", "smoke"], capsys)
     assert rc == 0 and seen == [case.id]
     repro = out.strip()
     assert repro.startswith("dsv4-parity run --case ")
@@ -59,10 +61,8 @@ def test_shrink_uses_the_injected_predicate(capsys):
     assert small.layout.num_real_rows == 3 and "minimal repro" in err
 
 
-def test_shrink_without_a_predicate_or_with_a_bad_case(capsys):
-    rc, _, err = run(["shrink", "--case-id", load_suite("smoke")[0].id, "--suite", "smoke"], capsys)
-    assert rc == 2 and "no failure predicate" in err
-    rc, _, err = run(["shrink", "--case", '{"config": {}}'], capsys, predicate_factory=lambda a: bool)
+def test_shrink_with_a_bad_case(capsys):
+    rc, _, err = run(["shrink", "--case", '{"config": {}}'], capsys)
     assert rc == 2 and "layout: missing required field" in err
-    rc, _, err = run(["shrink", "--case-id", "abc"], capsys, predicate_factory=lambda a: bool)
+    rc, _, err = run(["shrink", "--case-id", "abc"], capsys)
     assert rc == 2 and "--suite" in err

@@ -174,7 +174,7 @@ def test_large_tensors_are_drawn_in_float64_whatever_the_case_dtype():
 
 def test_materialize_equals_whole_tensor_values():
     """Per-chunk scaling, padding-row scaling / zeroing and casts inside the pool give the values of doing them on
-    the whole tensor: parameters are ``initial_value(...)`` cast (what parity/bench_workloads.py uses)."""
+    the whole tensor: parameters are ``initial_value(...)`` cast (what bench/workloads.py uses)."""
     case = gate_case()
     t = materialize(case)
     for name, shape in parameter_shapes(case.config, case.scope).items():

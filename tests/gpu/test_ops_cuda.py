@@ -29,7 +29,7 @@ def test_low_precision_gemm_agrees_with_the_fp32_gemm():
 
 
 def test_graph_replay_timing_and_a_host_read_that_breaks_capture():
-    from parity.bench_breakdown import graph_replay_ms, host_syncs
+    from bench.breakdown import graph_replay_ms, host_syncs
 
     x = torch.randn(256, 256, device="cuda", requires_grad=True)
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cases.errors import CaseError
-from parity import bench, bench_flops, bench_harness, bench_measure, bench_output, bench_scaling
-from parity.bench_workloads import Workload
-from parity.cli import main as cli_main
+from bench import core as bench, flops as bench_flops, harness as bench_harness, measure as bench_measure, output as bench_output, scaling as bench_scaling
+from bench.workloads import Workload
+from cli.main import main as cli_main
 
 SMALL = ["bench", "--profile", "tiny", "--tokens", "64,128", "--repeats", "1", "--warmup", "0",
          "--harness-limit", "2", "--budget-s", "0", "--no-harness-report", "--quiet"]
@@ -154,7 +154,7 @@ def test_kernel_recorder_counts_calls_and_restores_the_providers():
 
     torch_provider = load_provider("torch")[0]
     work = Workload("tiny", 64, dtype="float32", scope="core")
-    from parity.bench_workloads import forward_backward, make_tensors
+    from bench.workloads import forward_backward, make_tensors
     import fused
 
     step = forward_backward(fused, work.case, make_tensors(work, "cpu"), lambda: fused.use_backend("torch"))
@@ -185,12 +185,10 @@ def test_engine_phases_patch_and_restore():
 
 
 def _bench(**changes):
-    """A :class:`parity.bench.Bench` on the tiny profile, settings as the command line would give."""
-    import argparse
+    """A :class:`bench.core.Bench` on the tiny profile, settings as the command line would give."""
+    from cli.main import build_parser
 
-    parser = argparse.ArgumentParser()
-    bench.add_parsers(parser.add_subparsers(dest="command"))
-    ns = parser.parse_args(["bench", "--profile", "tiny", "--tokens", "64", "--repeats", "1", "--budget-s", "0",
+    ns = build_parser().parse_args(["bench", "--profile", "tiny", "--tokens", "64", "--repeats", "1", "--budget-s", "0",
                             "--quiet"])
     settings = bench.resolve_settings(ns)
     for k, v in changes.items():
@@ -297,7 +295,7 @@ def test_the_json_is_checkpointed_after_every_section(tmp_path):
 
 
 def _parsed(argv):
-    from parity.cli import build_parser
+    from cli.main import build_parser
 
     return build_parser().parse_args(argv)
 
@@ -322,7 +320,7 @@ def test_graph_replay_target_uses_the_worst_breakdown_row(small_run):
 
 
 def _cpu_settings():
-    from parity.cli import build_parser
+    from cli.main import build_parser
 
     return bench.resolve_settings(build_parser().parse_args(["bench", "--profile", "tiny", "--tokens", "64",
                                                              "--device", "cpu"]))

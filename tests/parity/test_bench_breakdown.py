@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from torch.autograd import DeviceType
 
-from parity.bench_breakdown import _union_ms, ancestry, attribute, classify, enclosing_frames, sync_sites
+from bench.breakdown import _union_ms, ancestry, attribute, classify, enclosing_frames, sync_sites
 
 
 def test_classify_provider_own_frame_and_autograd_node():
@@ -26,7 +26,7 @@ def test_classify_provider_own_frame_and_autograd_node():
     assert classify(["autograd::engine::evaluate_function: CatBackward0",
                      "/repo/fused/core_attention.py(90): run_core"]) == "autograd CatBackward0"
     # negative controls: harness frames and torch frames are not sites of the composition
-    assert classify(["/repo/parity/bench_workloads.py(166): step", "/repo/parity/cli.py(1): main"]) is None
+    assert classify(["/repo/bench/workloads.py(166): step", "/repo/cli/main.py(1): main"]) is None
     assert classify(["aten::copy_", "torch/_tensor.py(1): backward"]) is None
     # a file named like a package is not the package: only folders count
     assert classify(["/repo/tools/fused.py(3): helper"]) is None
@@ -138,7 +138,7 @@ def test_union_of_intervals():
 
 
 def test_composition_range_names_the_function():
-    assert classify(["aten::roll", "fused::compressor._overlap", "/repo/parity/bench_workloads.py(1): step"]) \
+    assert classify(["aten::roll", "fused::compressor._overlap", "/repo/bench/workloads.py(1): step"]) \
         == "fused/compressor.py _overlap"
     # the provider range inside a composition function wins (innermost first)
     assert classify(["aten::copy_", "provider::sparse_attn_bwd", "fused::sparse_attention.sparse_attention_backward"]) \
@@ -153,8 +153,8 @@ def test_composition_ranges_give_sites_without_python_frames():
     import fused
     from torch.profiler import ProfilerActivity, profile
 
-    from parity.bench_breakdown import CompositionRanges, ProviderRanges
-    from parity.bench_workloads import Workload, forward_backward, make_tensors
+    from bench.breakdown import CompositionRanges, ProviderRanges
+    from bench.workloads import Workload, forward_backward, make_tensors
     from parity.impls import load
 
     work = Workload("tiny", 64, scope="core")

@@ -1,4 +1,4 @@
-"""The bench's gate section (parity/bench_gate.py): cold / warm runs over one compiled-kernel cache, phases summed
+"""The bench's gate section (bench/gate.py): cold / warm runs over one compiled-kernel cache, phases summed
 from results.jsonl, compile counters summed from the processes' stats files, targets and cold-vs-warm agreement."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fused.kernels import compile_cache
-from parity import bench_gate
+from bench import gate as bench_gate
 
 
 def fake_gate(outcomes_by_run, compiled_by_run, seen_env):
@@ -94,13 +94,16 @@ def test_real_run_of_two_smoke_cases(tmp_path):
 
 @pytest.mark.parametrize("sections", ["gate", "harness,gate"])
 def test_bench_accepts_the_opt_in_section(sections):
-    from parity import bench
+    import argparse
 
-    parser = __import__("argparse").ArgumentParser()
-    bench.add_parsers(parser.add_subparsers(dest="command"))
+    from bench import core
+    from cli import bench_command
+
+    parser = argparse.ArgumentParser()
+    bench_command.add_parsers(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "--sections", sections, "--device", "cpu", "--gate-limit", "3",
                               "--gate-runs", "warm"])
-    settings = bench.resolve_settings(args)
+    settings = core.resolve_settings(args)
     assert "gate" in settings.sections and settings.gate["limit"] == 3 and settings.gate["runs"] == ["warm"]
-    default = bench.resolve_settings(parser.parse_args(["bench", "--device", "cpu"]))
+    default = core.resolve_settings(parser.parse_args(["bench", "--device", "cpu"]))
     assert "gate" not in default.sections

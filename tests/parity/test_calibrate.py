@@ -4,7 +4,7 @@ import json
 
 from parity import results as R
 from parity.calibrate import measure
-from parity.cli import main
+from cli.main import main
 from parity.policy import POLICY_PATH, load
 from parity.verdict import MetricRow, TensorResult
 from tests.parity.helpers import pick

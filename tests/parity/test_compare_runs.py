@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from parity.cli import main
+from cli.main import main
 from parity.compare_runs import compare, load
 
 

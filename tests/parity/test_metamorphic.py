@@ -3,7 +3,7 @@
 import pytest
 
 from parity import impls
-from parity.cli import main
+from cli.main import main
 from parity.engine import RunOptions
 from parity.metamorphic import ORACLES, applicable, run_oracle
 from tests.parity.helpers import pick

@@ -10,8 +10,8 @@ import pytest
 
 from cases.coverage import parse_cell
 from fused import mutants
-from parity import mutants_cmd
-from parity.cli import main
+from parity import mutation_suite as mutants_cmd
+from cli.main import main
 from parity.engine import RunOptions, run_case
 from parity.impls import load
 from reports.mutants import FIELDS, load_mutants

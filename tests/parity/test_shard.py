@@ -11,7 +11,7 @@ from cases.errors import CaseError
 from cases.layout import BshdLayout
 from cases.suites import load_suite
 from parity import shard
-from parity.cli import main
+from cli.main import main
 from parity.compare_runs import compare, load
 from tests.parity.helpers import pick
 

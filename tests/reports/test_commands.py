@@ -6,13 +6,14 @@ import argparse
 
 import pytest
 
-from reports import commands
+from cli import report_command as commands
+from cli.main import main as cli_main
 
 from .conftest import rows_of, write_rows
 
 
 def run(argv, capsys):
-    code = commands.main(argv)
+    code = cli_main(argv)
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -83,7 +84,7 @@ def test_a_run_with_no_committed_baseline_needs_an_explicit_one(runs, capsys, tm
 
 
 def test_engine_entry_point_renders_with_the_default_baseline(tmp_path, capsys):
-    """parity/cli.py calls reports.commands.render_run(out_dir) after `run --make-default`."""
+    """parity/cli.py calls cli.report_command.render_run(out_dir) after `run --make-default`."""
     run_dir = write_rows(rows_of(n_cases=8), tmp_path / "run")
     commands.render_run(run_dir)
     assert (run_dir / "index.html").is_file() and "Worst offenders" in capsys.readouterr().out

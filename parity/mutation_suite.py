@@ -1,4 +1,4 @@
-"""``dsv4-parity mutants``: the mutation suite — every planted bug of :mod:`fused.mutants` must fail the parity suite.
+"""The mutation suite (``dsv4-parity mutants``) — every planted bug of :mod:`fused.mutants` must fail the parity suite.
 
 For a suite (default ``smoke``), fused with the ``torch`` provider against the reference, in-process:
 
@@ -20,10 +20,7 @@ cases that do executed the point. Exit 0 iff the clean run passed and every muta
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +28,6 @@ from typing import Callable, Optional, Sequence
 
 from cases.case import Case
 from cases.coverage import Cell, cell_name, features, hits, parse_cell
-from cases.errors import CaseError
 
 DEFAULT_OUT = Path("reports") / "out" / "mutants"
 MUTANTS_NAME = "mutants.jsonl"
@@ -128,7 +124,7 @@ def reaches(feats: dict, cells: Sequence[Optional[Cell]]) -> bool:
 
 def catalogue_problems(registered: Sequence[str]) -> list[str]:
     """Registered mutants without declared cells, and declared names nobody registered."""
-    out = [f"mutant {n!r} has no reach cells in parity.mutants_cmd.CATALOGUE (treated as reachable by any case)"
+    out = [f"mutant {n!r} has no reach cells in parity.mutation_suite.CATALOGUE (treated as reachable by any case)"
            for n in registered if n not in CATALOGUE]
     out += [f"CATALOGUE names {n!r}, which fused.mutants does not register" for n in CATALOGUE if n not in registered]
     return out
@@ -256,79 +252,4 @@ def mutation_suite(cases: Sequence[Case], names: Sequence[str], out_dir: Path, *
     return counts, outcomes
 
 
-# ---- command ------------------------------------------------------------------------------------------------------
-def _render_report(out_dir: Path) -> Optional[str]:
-    """index.html of the run directory (kill matrix included), best effort; returns a note on failure."""
-    try:
-        render = importlib.import_module("reports.commands").render_run
-        render(out_dir, quiet=True)
-    except Exception as exc:  # noqa: BLE001 — the verdict does not depend on the report
-        return f"note: report rendering failed: {exc}"
-    return None
-
-
-def cmd_mutants(args: argparse.Namespace) -> int:
-    from fused import mutants
-
-    from .cli import select_cases
-
-    registered = list(mutants.registered())
-    if args.list:
-        for name in registered:
-            cells = "; ".join(c or "any case" for c in CATALOGUE.get(name, ANY))
-            print(f"{name:<30} {mutants.registered()[name]}\n{'':<30} reach: {cells}")
-        return 0
-    for problem in catalogue_problems(registered):
-        print(f"warning: {problem}", file=sys.stderr)
-    names = args.mutant or registered
-    unknown = [n for n in names if n not in registered]
-    if unknown:
-        print(f"error: unknown mutant(s) {unknown} (known: {', '.join(registered)})", file=sys.stderr)
-        return 2
-    try:
-        label, cases = select_cases(args)
-    except CaseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    out_dir = Path(args.out)
-    start = time.perf_counter()
-    counts, outcomes = mutation_suite(cases, names, out_dir, suite=label, provider=args.provider,
-                                      device=args.device, policy_path=args.policy, keep_going=args.keep_going,
-                                      quiet=args.quiet, argv=sys.argv,
-                                      echo=lambda line: print(line, flush=True))
-    if not args.no_report:
-        note = _render_report(out_dir)
-        if note:
-            print(note, file=sys.stderr)
-    killed = sum(o.status == "killed" for o in outcomes)
-    clean_ok = not (counts["fail"] or counts["error"])
-    print(f"results: {out_dir / 'results.jsonl'}, {out_dir / MUTANTS_NAME}  "
-          f"({time.perf_counter() - start:.0f} s)")
-    if not clean_ok:
-        print(f"the clean run failed ({counts['fail']} failed, {counts['error']} errors): those cases kill nothing")
-    print(f"mutants: {killed}/{len(outcomes)} killed")
-    return 0 if clean_ok and killed == len(outcomes) else 1
-
-
-def add_parsers(sub) -> dict:
-    from .cli import PROVIDERS, _add_selection
-
-    p = sub.add_parser("mutants", help="mutation suite: every planted bug (fused.mutants) must fail the suite",
-                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_selection(p)
-    p.add_argument("--mutant", action="append", metavar="NAME", help="run only this mutant (repeatable)")
-    p.add_argument("--list", action="store_true", help="list the mutants and their reach cells, and exit")
-    p.add_argument("--keep-going", action="store_true",
-                   help="run every reaching case per mutant, not only up to the first kill (fuller kill matrix)")
-    p.add_argument("--provider", default="torch", choices=PROVIDERS, help="fused kernel provider (default torch)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run")
-    p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
-    p.add_argument("--out", default=str(DEFAULT_OUT),
-                   help=f"run directory: results.jsonl of the clean run + {MUTANTS_NAME} (default {DEFAULT_OUT})")
-    p.add_argument("--no-report", action="store_true", help="do not render index.html")
-    p.add_argument("--quiet", action="store_true", help="no per-case lines during the clean run")
-    p.set_defaults(func=cmd_mutants)
-    return {"mutants": p}
-
-
-__all__ = ["CATALOGUE", "MutantOutcome", "cmd_mutants", "mutation_suite", "run_mutant"]
+__all__ = ["CATALOGUE", "MutantOutcome", "mutation_suite", "run_mutant"]

@@ -38,7 +38,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
-    """Register ``cache`` (the plug-in hook :func:`parity.cli.build_parser` calls)."""
+    """Register ``cache`` on the ``dsv4-parity`` subparsers."""
     p = subparsers.add_parser("cache", help="show or clear the compiled-kernel cache",
                               description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
     p.add_argument("--clear", action="store_true", help="delete every cached compiled kernel")

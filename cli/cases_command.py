@@ -1,12 +1,11 @@
-"""CLI plumbing for the case commands; ``parity/cli.py`` calls :func:`add_parsers` on its subparsers.
+"""``dsv4-parity cases`` and ``dsv4-parity shrink``.
 
 * ``dsv4-parity cases --suite NAME [--json] [--coverage]`` lists a suite's cases (``--json``: a JSON list of case
   objects, each loadable with ``Case.from_dict``); ``--coverage`` prints the coverage table instead and exits 1 if
   a declared cell is missed.
 * ``dsv4-parity shrink (--case JSON | --case-id ID --suite NAME) [--max-calls N]`` shrinks a failing case and prints
-  the minimal repro. The "still fails" predicate comes from the caller: ``args.predicate_factory`` is a callable
-  ``factory(args) -> (Case -> bool)`` (True = still fails), installed with ``add_parsers(..., predicate_factory=f)``
-  or ``set_defaults(predicate_factory=f)`` on the ``shrink`` subparser. Without one, ``shrink`` exits 2.
+  the minimal repro. "Still fails" = the same outcome and deciding rule as the original case
+  (:func:`shrink_predicate`), for ``--impl`` against ``--against`` on ``--provider``.
 """
 
 from __future__ import annotations
@@ -14,16 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, Optional
+from typing import Callable
 
-from .case import Case
-from .coverage import cell_name, coverage_counts, format_table, marginals
-from .errors import CaseError
-from .layout import ThdLayout
-from .shrink import shrink
-from .suites import SUITES, find_case, id_repro, load_suite, suite_names
+from cases.case import Case
+from cases.coverage import cell_name, coverage_counts, format_table, marginals
+from cases.errors import CaseError
+from cases.layout import ThdLayout
+from cases.shrink import shrink
+from cases.suites import SUITES, find_case, id_repro, load_suite, suite_names
+from parity.engine import run_case
+from parity.impls import load
 
-PredicateFactory = Callable[[argparse.Namespace], Callable[[Case], bool]]
+from cli.options import add_implementation_options, run_options
 
 
 def describe(case: Case) -> str:
@@ -83,12 +84,7 @@ def cmd_shrink(args: argparse.Namespace) -> int:
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    factory: Optional[PredicateFactory] = getattr(args, "predicate_factory", None)
-    if factory is None:
-        print("error: no failure predicate installed (run `dsv4-parity shrink`, whose parity CLI provides it)",
-              file=sys.stderr)
-        return 2
-    predicate = factory(args)
+    predicate = shrink_predicate(args, case)
     try:
         small = shrink(case, predicate, max_calls=args.max_calls, log=lambda line: print(line, file=sys.stderr))
     except CaseError as exc:
@@ -98,7 +94,25 @@ def cmd_shrink(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(subparsers, *, predicate_factory: Optional[PredicateFactory] = None) -> dict:
+def shrink_predicate(args: argparse.Namespace, case: Case) -> Callable[[Case], bool]:
+    """``case -> still fails``: the same outcome and deciding rule as the original ``case``."""
+    options = run_options(args)
+    impl, against = load(options.impl), load(options.against)
+    first = run_case(case, impl, against, options)
+    signature = (first.outcome, first.decided_by)
+    print(f"shrink: original case {first.case_id}: {first.outcome} ({first.decided_by}) {first.message}",
+          file=sys.stderr)
+
+    def still_fails(candidate: Case) -> bool:
+        if signature[0] not in ("fail", "error"):
+            return False
+        result = run_case(candidate, impl, against, options)
+        return (result.outcome, result.decided_by) == signature
+
+    return still_fails
+
+
+def add_parsers(subparsers) -> dict:
     """Register ``cases`` and ``shrink`` on an ``argparse`` subparsers object; returns {name: parser}."""
     names = ", ".join(suite_names())
     cases = subparsers.add_parser("cases", help="list a suite's cases or its coverage table",
@@ -115,19 +129,6 @@ def add_parsers(subparsers, *, predicate_factory: Optional[PredicateFactory] = N
     which.add_argument("--case-id", help="a case id of --suite")
     sh.add_argument("--suite", help=f"suite of --case-id ({names})")
     sh.add_argument("--max-calls", type=int, default=1000, help="most predicate evaluations (default 1000)")
+    add_implementation_options(sh)
     sh.set_defaults(func=cmd_shrink)
-    if predicate_factory is not None:
-        sh.set_defaults(predicate_factory=predicate_factory)
     return {"cases": cases, "shrink": sh}
-
-
-def main(argv=None) -> int:
-    """Stand-alone entry (``python -m cases.commands``) for the two commands, without a parity predicate."""
-    parser = argparse.ArgumentParser(prog="dsv4-parity")
-    add_parsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

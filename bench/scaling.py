@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .bench_workloads import Workload, _resolve
+from bench.workloads import Workload, _resolve
 
 
 def function_series(ratio: int) -> list[tuple[str, str, Callable]]:

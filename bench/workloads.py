@@ -31,7 +31,7 @@ from cases.profiles import get_profile
 from cases.tensors import (FP32_PARAMETERS, CaseTensors, initial_value, input_shapes, output_shape,
                            parameter_shapes)
 
-from .bench_flops import KeyCounts, key_counts, total_flops
+from bench.flops import KeyCounts, key_counts, total_flops
 
 LOSSES = ("sparse", "dense", "none")
 LAYOUTS = ("seq", "pack")
@@ -190,7 +190,7 @@ def _resolve(path: str) -> Callable:
 
 def reference_stages(work: Workload, device: str, seed: int = 1) -> list[StageCall]:
     """The reference's stages of ``work`` (ratio 4 with an indexer; else only the compressor / attention)."""
-    from .bench_flops import compressor_flops, kernel_flops
+    from bench.flops import compressor_flops, kernel_flops
 
     c = work.config
     dtype = work.case.torch_dtype
@@ -297,7 +297,7 @@ def reference_stages(work: Workload, device: str, seed: int = 1) -> list[StageCa
 
 def fused_compressor_stage(work: Workload, device: str, seed: int = 1) -> Optional[StageCall]:
     """The fused public ``compressor`` (forward + backward) on the inputs :func:`reference_stages` uses."""
-    from .bench_flops import compressor_flops
+    from bench.flops import compressor_flops
 
     c = work.config
     if not c.has_compressor:

@@ -1,26 +1,26 @@
-"""``dsv4-parity bench``: performance of the fused path, the reference and the harness — reported, never asserted.
+"""``dsv4-parity bench``'s engine: performance of the fused path, the reference and the harness — reported, never asserted.
 
 Sections (``--sections``, all by default):
 
 * ``e2e`` — per profile × tokens × scope (``core``, ``layer``): forward + backward of the fused path and of the
-  reference: time (median of the repeats), model TFLOP/s (:mod:`parity.bench_flops`) and its share of the H200's
+  reference: time (median of the repeats), model TFLOP/s (:mod:`bench.flops`) and its share of the H200's
   measured bf16 dense peak (CUDA only), peak memory above the inputs. For the fused path also the time of every
-  kernel call (each provider's stage methods wrapped, :class:`parity.bench_measure.KernelRecorder`) and the
+  kernel call (each provider's stage methods wrapped, :class:`bench.measure.KernelRecorder`) and the
   **composition ratio** = fused forward + backward / sum of its kernels' times (target ≤ 1.2 at core scope).
 * ``stages`` — per stage (compressor, indexer forward, top-k, sparse attention forward / backward, score
   recompute, indexer backward): the fused kernels' time in the core-scope run next to the reference's stage
-  function timed in isolation on inputs of the same shapes (:func:`parity.bench_workloads.reference_stages`).
+  function timed in isolation on inputs of the same shapes (:func:`bench.workloads.reference_stages`).
 * ``breakdown`` — per profile × tokens: one warm fused core forward + backward under ``torch.profiler``, its device
   time split into the providers' kernels and the composition's own ops by the repository line that issued them,
   and the idle time (wall - device busy): what to cut to bring the composition ratio down
-  (:mod:`parity.bench_breakdown`).
+  (:mod:`bench.breakdown`).
 * ``scaling`` — reference forward + backward time and peak memory against the tokens ``T`` at fixed W and K: a THD
   pack of fixed-length segments (must grow linearly), one sequence of ``T`` (the indexer's scores are ``T × T/4``),
   the dense loss; and the memory of single reference functions (the dense-loss teacher, the indexer scores and the
   sparse attention with autograd) — each series gets a log-log slope; a superlinear *memory* slope of a function
   becomes a finding that names it (module, function, file:line).
 * ``gate`` (only when named) — the whole gate suite as ``dsv4-parity run`` subprocesses, cold (empty compiled-kernel
-  cache) then warm (the same cache): wall time, phases, compiles and loads per kernel (:mod:`.bench_gate`).
+  cache) then warm (the same cache): wall time, phases, compiles and loads per kernel (:mod:`bench.gate`).
 * ``harness`` — a parity run of ``--harness-suite`` (in-process, the engine's phases timed by wrapping
   ``parity.engine`` / ``parity.snapshot`` / ``parity.structure`` / ``parity.verdict`` / the results writer):
   cases per minute, and the share of the time spent outside the two implementations' forward and backward.
@@ -40,10 +40,10 @@ call always ends; so do ``--ref-max-tokens`` and out-of-memory failures, each re
 Output: a rich table on the terminal, machine-readable JSON (``--json PATH``; schema ``dsv4-parity-bench/1``, see
 :func:`empty_report`) and a PNG of the scaling and end-to-end plots next to it.
 
-Modules: this one (options, sections, targets, the command), :mod:`.bench_workloads` (what runs),
-:mod:`.bench_measure` (timers, memory meters, kernel recorder, budget), :mod:`.bench_flops` (model FLOPs),
-:mod:`.bench_scaling` (slopes and findings), :mod:`.bench_harness` (engine phases), :mod:`.bench_output` (schema,
-tables, plot).
+Modules: this one (settings, sections, targets), :mod:`bench.workloads` (what runs), :mod:`bench.measure` (timers,
+memory meters, kernel recorder, budget), :mod:`bench.flops` (model FLOPs), :mod:`bench.scaling` (slopes and
+findings), :mod:`bench.harness` (engine phases), :mod:`bench.output` (schema, tables, plot); the command line is
+:mod:`cli.bench_command`.
 """
 
 from __future__ import annotations
@@ -51,10 +51,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import json
 import os
 import platform
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -65,18 +63,18 @@ import torch
 
 from cases.errors import CaseError
 
-from .bench_breakdown import profile_step
-from .bench_flops import H200_BF16_PEAK_TFLOPS, kernel_flops, tflops
-from .bench_harness import harness_throughput
-from .bench_measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_memory, is_oom, synchronize,
+from bench.breakdown import profile_step
+from bench.flops import H200_BF16_PEAK_TFLOPS, kernel_flops, tflops
+from bench.harness import harness_throughput
+from bench.measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_memory, is_oom, synchronize,
                             time_call)
-from .bench_output import SCHEMA, jsonable, render_tables, write_plot
-from .bench_scaling import findings_from_fits, fit_series, function_series
-from .bench_workloads import (LAYOUTS, LOSSES, StageCall, Workload, clear_caches, forward_backward,
+from bench.output import SCHEMA, jsonable
+from bench.scaling import findings_from_fits, fit_series, function_series
+from bench.workloads import (StageCall, Workload, clear_caches, forward_backward,
                               fused_compressor_stage, make_tensors, reference_stages, tensor_bytes)
 
 SECTIONS = ("e2e", "stages", "breakdown", "scaling", "harness")
-OPT_IN_SECTIONS = ("gate",)  # only when named: the whole gate suite, cold and warm (parity/bench_gate.py)
+OPT_IN_SECTIONS = ("gate",)  # only when named: the whole gate suite, cold and warm (bench/gate.py)
 #: Share of the remaining budget each section may use when it starts (the last one takes what is left).
 SECTION_SHARE = {"e2e": 0.45, "stages": 0.35, "breakdown": 0.3, "scaling": 0.45, "harness": 1.0}
 
@@ -255,7 +253,7 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
     * ``targets``: ``name target measured unit status note``; ``findings``: ``kind function where message``;
       ``skipped``: ``what why``.
     """
-    from .environment import environment
+    from parity.environment import environment
 
     return {"schema": SCHEMA, "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "argv": list(argv), "settings": settings.to_dict(), "env": environment(settings.device),
@@ -275,7 +273,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _status_of(exc: BaseException) -> str:
-    from .impls import is_unsupported
+    from parity.impls import is_unsupported
 
     if is_oom(exc):
         return "oom"
@@ -297,7 +295,7 @@ class Bench:
         self.report["skipped"].append({"what": what, "why": why})
 
     def _impl(self, name: str):
-        from .impls import load
+        from parity.impls import load
 
         return load(name)
 
@@ -578,7 +576,7 @@ class Bench:
                                                                deadline))
 
     def breakdown(self, work: Workload, deadline: Optional[float]) -> dict:
-        """One fused core forward + backward profiled (:mod:`parity.bench_breakdown`) after a warm-up run."""
+        """One fused core forward + backward profiled (:mod:`bench.breakdown`) after a warm-up run."""
         row = dict(work.label(), impl="fused", provider=None, status="ok", message="")
         if Budget.passed(deadline):
             row.update(status="skipped", message="time budget")
@@ -771,126 +769,13 @@ def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], 
 
 
 def run_gate_section(settings: Settings, log: Callable[[str], None]) -> dict:
-    """The ``gate`` section (:func:`parity.bench_gate.gate_section`); runs under ``--gate-dir`` (default
+    """The ``gate`` section (:func:`bench.gate.gate_section`); runs under ``--gate-dir`` (default
     ``reports/out/bench/gate-<time>``), not bound by ``--budget-s`` (a gate run is timed whole)."""
-    from .bench_gate import gate_section
-    from .runner import DEFAULT_OUT_ROOT
+    from bench.gate import gate_section
+    from parity.runner import DEFAULT_OUT_ROOT
 
     g = dict(settings.gate or {})
     root = Path(g.get("dir") or DEFAULT_OUT_ROOT / "bench" / f"gate-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     return gate_section(root, suite=g.get("suite") or "gate", provider=g.get("provider") or "cudnn",
                         workers=g.get("workers") or "auto", limit=g.get("limit"), runs=g.get("runs") or ("cold", "warm"),
                         cache_dir=Path(g["cache_dir"]) if g.get("cache_dir") else None, log=log)
-
-
-def default_json_path() -> Path:
-    from .runner import DEFAULT_OUT_ROOT
-
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return DEFAULT_OUT_ROOT / "bench" / f"bench-{stamp}.json"
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    try:
-        settings = resolve_settings(args)
-    except CaseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-    def log(msg: str) -> None:
-        if not settings.quiet:
-            print(f"bench: {msg}", file=sys.stderr, flush=True)
-
-    path = Path(args.json) if args.json else default_json_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def save(doc: dict) -> None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(path)
-
-    report = run_bench(settings, ["dsv4-parity", *getattr(args, "argv", sys.argv[1:])], log, checkpoint=save)
-    save(report)
-    png = None if args.no_plot else write_plot(report, Path(args.plot) if args.plot else path.with_suffix(".png"))
-    render_tables(report)
-    print(f"json: {path}" + (f"\nplot: {png}" if png else ""))
-    return 0
-
-
-BENCH_EPILOG = """\
-examples:
-  dsv4-parity bench                                   # CPU: tiny profile, T = 256..2048, ~20 s
-  dsv4-parity bench --json out/bench.json             # + out/bench.png
-  dsv4-parity bench --profile kernel,flash,pro --tokens 4K,8K,16K,32K,64K --json $OUT/bench.json   # one H200
-  dsv4-parity bench --sections harness --harness-suite smoke --harness-limit 0   # the whole smoke suite
-
-Numbers are reported, never asserted (exit 0 unless the options are wrong). Everything that does not fit the
---budget-s deadline, exceeds --ref-max-tokens or runs out of memory is listed as skipped / oom in the JSON.
-"""
-
-
-def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
-    """Register ``bench`` (the plug-in hook :func:`parity.cli.build_parser` calls)."""
-    p = subparsers.add_parser(
-        "bench", help="benchmark the fused path, the reference and the harness (reported, never asserted)",
-        description=__doc__.split("\n\n")[0] + "\n\n" + "Sections: e2e, stages, scaling, harness (see the module "
-        "docstring of parity/bench.py for what each measures).", epilog=BENCH_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", help="profiles, comma-separated (CPU default tiny; CUDA kernel,flash,pro)")
-    p.add_argument("--tokens", help="token counts T, comma-separated, 4K suffixes allowed (CPU default "
-                                    "256,512,1024,2048; CUDA 4K,8K,16K,32K,64K)")
-    p.add_argument("--layout", default="seq", choices=LAYOUTS,
-                   help="seq: one sequence of T tokens (BSHD); pack: THD pack of --segment-len segments")
-    p.add_argument("--segment-len", type=int, help="segment length of THD packs (CPU 256, CUDA 4096)")
-    p.add_argument("--ratio", type=int, default=4, help="compress ratio of the benchmarked layer (default 4)")
-    p.add_argument("--loss", default="sparse", choices=LOSSES, help="indexer loss (default sparse)")
-    p.add_argument("--dtype", help="activation dtype (CPU default float32, CUDA bfloat16)")
-    p.add_argument("--scope", help="core and/or layer, comma-separated (default core,layer)")
-    p.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS + OPT_IN_SECTIONS)} (default all but "
-                                       f"{','.join(OPT_IN_SECTIONS)})")
-    p.add_argument("--provider", default="auto", choices=("auto", "torch", "cudnn", "flashmla"),
-                   help="fused kernel provider (default auto: the best per stage)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--warmup", type=int, default=1, help="warm-up runs per measurement (default 1)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats, at most (default 3)")
-    p.add_argument("--target-s", type=float, default=1.0,
-                   help="seconds of timed repeats per measurement; fewer repeats when one run is slower")
-    p.add_argument("--budget-s", type=float, help="deadline for the whole bench in seconds (CPU 55, CUDA 300; 0 = none)")
-    p.add_argument("--ref-max-tokens", type=int,
-                   help="skip reference runs above this T (CUDA default 32768; 0 = no limit)")
-    p.add_argument("--harness-suite", help="suite for the harness section (CPU smoke, CUDA gate)")
-    p.add_argument("--harness-limit", type=int,
-                   help="cases of it, spread over the suite (CPU 0 = all, CUDA 24)")
-    p.add_argument("--no-harness-report", action="store_true", help="do not time the report rendering")
-    p.add_argument("--peak-tflops", type=float, help="peak for the %% column (CUDA default 790, the H200 bf16)")
-    p.add_argument("--threads", type=int,
-                   help="torch intra-op threads (CPU default 1: on a shared machine two threads make the timings "
-                        "bimodal; CUDA default: unchanged)")
-    p.add_argument("--gate-suite", default="gate", help="suite of the gate section (default gate)")
-    p.add_argument("--gate-provider", default="cudnn", help="--provider of the gate runs (default cudnn)")
-    p.add_argument("--gate-workers", default="auto", help="--workers of the gate runs (default auto)")
-    p.add_argument("--gate-limit", type=int, help="--limit of the gate runs (default: the whole suite)")
-    p.add_argument("--gate-runs", help="cold and/or warm, in order (default cold,warm; cold empties the cache)")
-    p.add_argument("--gate-cache-dir", help="compiled-kernel cache of the gate runs (default <gate dir>/kernel-cache)")
-    p.add_argument("--gate-dir", help="where the gate runs write (default reports/out/bench/gate-<time>)")
-    p.add_argument("--json", metavar="PATH", help="write the JSON here (default reports/out/bench/bench-<time>.json)")
-    p.add_argument("--plot", metavar="PATH", help="write the PNG here (default: the JSON path with .png)")
-    p.add_argument("--no-plot", action="store_true", help="no PNG")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.set_defaults(func=cmd_bench)
-    return {"bench": p}
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m parity.bench``: the subcommand alone."""
-    parser = argparse.ArgumentParser(prog="dsv4-parity")
-    add_parsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench"] + list(sys.argv[1:] if argv is None else argv))
-    from .engine import configure_torch
-
-    configure_torch()
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .bench_measure import synchronize
+from bench.measure import synchronize
+from reports.render import render_run
 
 
 class PhaseClock:
@@ -64,7 +65,7 @@ def engine_phases(clock: PhaseClock, impl_api: Any):
     ``<role> backward`` (role ``impl``, ``truth`` = float64 reference, ``noise`` = same-dtype reference);
     ``snapshot`` (leaf copies and mutation checks around them); ``compare`` (structure rules, metrics, verdict);
     ``rows`` (building the result rows), ``write`` (writing them), ``environment`` (the run row's versions)."""
-    from . import engine, environment, results, snapshot, structure, verdict
+    from parity import engine, environment, results, snapshot, structure, verdict
 
     real_run, real_call, real_grad = engine.run, snapshot._call, torch.autograd.grad
 
@@ -123,9 +124,9 @@ def harness_throughput(s: Any, log: Callable[[str], None], deadline: Optional[fl
     phases. With a ``deadline``: a first batch of two cases sizes a second batch that fits the time left."""
     from cases.suites import load_suite
 
-    from .engine import RunOptions
-    from .impls import load
-    from .runner import RunConfig, run
+    from parity.engine import RunOptions
+    from parity.impls import load
+    from parity.runner import RunConfig, run
 
     clock = PhaseClock(s.device)
     t0 = time.perf_counter()
@@ -174,20 +175,11 @@ def harness_throughput(s: Any, log: Callable[[str], None], deadline: Optional[fl
 
 
 def _time_report(out_dir: Path) -> Optional[float]:
-    """Seconds to render the run's report through the reports plug-in (``None`` if it is not installed)."""
-    import importlib
-
-    try:
-        mod = importlib.import_module("reports.commands")
-    except ImportError:
-        return None
-    render = getattr(mod, "render_run", None)
-    if not callable(render):
-        return None
+    """Seconds to render the run's report (every view, default baseline, no terminal summary)."""
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(open(os.devnull, "w")):
-            render(out_dir, quiet=True)
+            render_run(out_dir, baseline="auto", console=None)
     except Exception:  # noqa: BLE001 — the report is optional here
         return None
     return round(time.perf_counter() - t0, 3)

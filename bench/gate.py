@@ -26,12 +26,12 @@ from fused.kernels import compile_cache
 CHILD_UNSET = ("CUTE_DSL_CACHE_DIR", "CUDNN_FRONTEND_COMPILED_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
                compile_cache.ENV_SWITCH)
 TARGETS_S = {"warm": 180.0, "cold": 300.0}
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # the repository root (bench/..)
 PHASES = ("materialize", "impl", "reference", "compare")
 
 
 def gate_command(suite: str, provider: str, workers: str, out: Path, limit: Optional[int]) -> list[str]:
-    cmd = [sys.executable, "-m", "parity.cli", "run", "--suite", suite, "--provider", provider, "--workers",
+    cmd = [sys.executable, "-m", "cli", "run", "--suite", suite, "--provider", provider, "--workers",
            str(workers), "--out", str(out)]
     return cmd + (["--limit", str(limit)] if limit else [])
 

@@ -32,7 +32,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Optional
 
-from .bench_measure import KernelRecorder, synchronize
+from bench.measure import KernelRecorder, synchronize
 
 #: Path segments of frames that belong to a kernel provider (its padding, its wrapper, the kernel packages).
 PROVIDER_PACKAGES = ("cudnn", "flash_mla", "cutlass", "tvm_ffi")

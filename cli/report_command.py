@@ -1,7 +1,4 @@
-"""CLI plumbing: ``dsv4-parity report`` and ``dsv4-parity compare``.
-
-``parity/cli.py`` imports this module lazily and calls :func:`add_parsers` on its subparsers; every subcommand sets
-``func(args) -> int``. Standalone: ``python -m reports.commands report RUN``.
+"""``dsv4-parity report`` and ``dsv4-parity compare``: the command-line half of :mod:`reports`.
 
 Exit codes: 0 rendered / gate passed; 1 drift gate failed (``compare``); 2 bad input (one-line message on stderr).
 """
@@ -14,17 +11,19 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .baselines import BASELINES_ROOT, default_baseline, load_baseline, save_baseline
-from .drift import GateConfig, compare_tables
-from .errors import ReportError
-from .load import load_run, resolve_results
-from .render import gate_for
-from .render import render_run as _render
-from .schema import DRIFT_METRICS
-from .table import metrics_table
-from .terminal import render_drift
+from parity.runner import DEFAULT_OUT_ROOT
 
-OUT_ROOT = Path(__file__).resolve().parent / "out"
+from reports.baselines import BASELINES_ROOT, default_baseline, load_baseline, save_baseline
+from reports.drift import GateConfig, compare_tables
+from reports.errors import ReportError
+from reports.load import load_run, resolve_results
+from reports.render import gate_for
+from reports.render import render_run as _render
+from reports.schema import DRIFT_METRICS
+from reports.table import metrics_table
+from reports.terminal import render_drift
+
+OUT_ROOT = DEFAULT_OUT_ROOT
 LATEST = OUT_ROOT / "latest"
 
 
@@ -139,17 +138,6 @@ def compare_command(args: argparse.Namespace) -> int:
 
 
 def render_run(run: str | Path, *, quiet: bool = False) -> None:
-    """What ``dsv4-parity run --make-default`` calls on its run directory: every view, default baseline, terminal
+    """What ``run --make-default`` and ``mutants`` call on their run directory: every view, default baseline, terminal
     summary on stdout unless ``quiet``. Raises :class:`ReportError` on a stream it cannot render."""
     _render(run, baseline="auto", console=None if quiet else _console())
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reports.commands")
-    add_parsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,82 @@
+"""``dsv4-parity mutants``: the command-line half of :mod:`parity.mutation_suite`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from cases.errors import CaseError
+from fused import mutants
+from parity.mutation_suite import ANY, CATALOGUE, DEFAULT_OUT, DESCRIPTION, MUTANTS_NAME, catalogue_problems, mutation_suite
+
+from cli.options import PROVIDERS, add_selection_options, select_cases
+from cli.report_command import render_run
+
+def _render_report(out_dir: Path) -> Optional[str]:
+    """index.html of the run directory (kill matrix included), best effort; returns a note on failure."""
+    try:
+        render_run(out_dir, quiet=True)
+    except Exception as exc:  # noqa: BLE001 — the verdict does not depend on the report
+        return f"note: report rendering failed: {exc}"
+    return None
+
+
+def cmd_mutants(args: argparse.Namespace) -> int:
+    registered = list(mutants.registered())
+    if args.list:
+        for name in registered:
+            cells = "; ".join(c or "any case" for c in CATALOGUE.get(name, ANY))
+            print(f"{name:<30} {mutants.registered()[name]}\n{'':<30} reach: {cells}")
+        return 0
+    for problem in catalogue_problems(registered):
+        print(f"warning: {problem}", file=sys.stderr)
+    names = args.mutant or registered
+    unknown = [n for n in names if n not in registered]
+    if unknown:
+        print(f"error: unknown mutant(s) {unknown} (known: {', '.join(registered)})", file=sys.stderr)
+        return 2
+    try:
+        label, cases = select_cases(args)
+    except CaseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out)
+    start = time.perf_counter()
+    counts, outcomes = mutation_suite(cases, names, out_dir, suite=label, provider=args.provider,
+                                      device=args.device, policy_path=args.policy, keep_going=args.keep_going,
+                                      quiet=args.quiet, argv=sys.argv,
+                                      echo=lambda line: print(line, flush=True))
+    if not args.no_report:
+        note = _render_report(out_dir)
+        if note:
+            print(note, file=sys.stderr)
+    killed = sum(o.status == "killed" for o in outcomes)
+    clean_ok = not (counts["fail"] or counts["error"])
+    print(f"results: {out_dir / 'results.jsonl'}, {out_dir / MUTANTS_NAME}  "
+          f"({time.perf_counter() - start:.0f} s)")
+    if not clean_ok:
+        print(f"the clean run failed ({counts['fail']} failed, {counts['error']} errors): those cases kill nothing")
+    print(f"mutants: {killed}/{len(outcomes)} killed")
+    return 0 if clean_ok and killed == len(outcomes) else 1
+
+
+def add_parsers(sub) -> dict:
+    p = sub.add_parser("mutants", help="mutation suite: every planted bug (fused.mutants) must fail the suite",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_selection_options(p)
+    p.add_argument("--mutant", action="append", metavar="NAME", help="run only this mutant (repeatable)")
+    p.add_argument("--list", action="store_true", help="list the mutants and their reach cells, and exit")
+    p.add_argument("--keep-going", action="store_true",
+                   help="run every reaching case per mutant, not only up to the first kill (fuller kill matrix)")
+    p.add_argument("--provider", default="torch", choices=PROVIDERS, help="fused kernel provider (default torch)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run")
+    p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
+    p.add_argument("--out", default=str(DEFAULT_OUT),
+                   help=f"run directory: results.jsonl of the clean run + {MUTANTS_NAME} (default {DEFAULT_OUT})")
+    p.add_argument("--no-report", action="store_true", help="do not render index.html")
+    p.add_argument("--quiet", action="store_true", help="no per-case lines during the clean run")
+    p.set_defaults(func=cmd_mutants)
+    return {"mutants": p}

@@ -1,0 +1,116 @@
+"""Options shared by the subcommands, and the case selection they name (``--suite`` / ``--case`` / ``--case-id``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+from cases.case import Case
+from cases.errors import CaseError
+from cases.suites import load_suite, suite_names
+from parity.engine import RunOptions
+from parity.runner import select
+
+PROVIDERS = ("auto", "torch", "cudnn", "flashmla")
+
+
+def add_implementation_options(p: argparse.ArgumentParser, *, impl_default: str = "fused") -> None:
+    p.add_argument("--impl", default=impl_default,
+                   help=f"implementation under test: reference, fused, or module[:attr] (default {impl_default})")
+    p.add_argument("--against", default="reference", help="the implementation giving the truth (default reference)")
+    p.add_argument("--provider", default="auto", choices=PROVIDERS,
+                   help="fused kernel provider; auto = per stage, the best available here (default auto)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to run (default: cuda if available)")
+    p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
+
+
+def add_selection_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", help="suite name (smoke, gate, nightly, production; default smoke)")
+    p.add_argument("--case", action="append", default=[], metavar="JSON",
+                   help="a case as JSON, or @FILE holding one case object or a list (repeatable)")
+    p.add_argument("--case-id", action="append", default=[], metavar="ID",
+                   help="run only this case of the suite (an unambiguous id prefix is enough; repeatable)")
+    p.add_argument("--limit", type=int, help="run at most N cases (the first N of the selection)")
+
+
+def add_output_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", help="run directory (default reports/out/<run-id>); a symlink such as "
+                                 "reports/out/latest names the current run: a new run moves it")
+    p.add_argument("--resume", action="store_true", help="keep the finished cases in --out and run the rest")
+    p.add_argument("--make-default", action="store_true",
+                   help="point reports/out/latest at this run (what `make report` reads) and render its report")
+    p.add_argument("--no-report", action="store_true", help="with --make-default: do not render the report")
+    p.add_argument("--junit", type=Path, metavar="PATH", help="also write JUnit XML here")
+    p.add_argument("--isolate", default="auto", choices=("auto", "none", "worker", "case"),
+                   help="process isolation: none (in-process), worker (a child replaced after any error), case "
+                        "(a fresh child per case); auto = worker on GPU or with --workers > 1, none otherwise")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case in a worker (default 1800)")
+    p.add_argument("--workers", default="1", metavar="N|auto",
+                   help="worker processes sharing the cases (default 1 = as without sharding); auto = on CUDA "
+                        "GPUs x clamp(cores // (4 x GPUs), 1, 4), e.g. 4 on one GPU with 16 cores (a GPU sweep is "
+                        "host-bound: kernel JIT and tensor draws), 1 on CPU. On CUDA each worker is pinned to one "
+                        "GPU (CUDA_VISIBLE_DEVICES), several share a GPU round-robin, and a case that runs out of "
+                        "GPU memory while sharing is re-run once alone on its GPU; on CPU each uses one thread. "
+                        "Cases go most expensive first to the next idle worker; the parent writes the one "
+                        "results.jsonl")
+    p.add_argument("--threads", type=int, metavar="T",
+                   help="intra-op threads per worker (default: 1 per CPU worker, cores/N per GPU worker, "
+                        "unchanged for one worker). CPU results are bitwise reproducible only at equal T")
+    p.add_argument("--budget-s", type=float, metavar="SECONDS",
+                   help="start no case after SECONDS (running cases finish); the end row lists the cases not run, "
+                        "the run is incomplete and exits 1 (continue it with --resume)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no per-case lines")
+
+
+# ---- case selection --------------------------------------------------------------------------------------------------
+def _parse_cases(items: Sequence[str]) -> list:
+    out = []
+    for item in items:
+        if item.startswith("@"):
+            try:
+                text = Path(item[1:]).read_text()
+            except OSError as exc:
+                raise CaseError("case", f"cannot read {item[1:]}: {exc.strerror}") from None
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise CaseError("case", f"{item[1:]} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+            for i, obj in enumerate(data if isinstance(data, list) else [data]):
+                try:
+                    out.append(Case.from_dict(obj))
+                except CaseError as exc:
+                    raise CaseError(f"{item[1:]}[{i}].{exc.field}", exc.message) from None
+        else:
+            out.append(Case.from_json(item))
+    return out
+
+
+def select_cases(args: argparse.Namespace) -> tuple[str, list]:
+    """``(suite label, cases)`` from ``--case`` / ``--case-id`` / ``--suite`` / ``--limit``."""
+    if args.case:
+        label, cases = "adhoc", _parse_cases(args.case)
+    else:
+        names = [args.suite] if args.suite else (["smoke"] if not args.case_id else suite_names())
+        label = args.suite or ("smoke" if not args.case_id else "adhoc")
+        if args.case_id and not args.suite:
+            pool = []
+            for name in names:
+                try:
+                    pool += load_suite(name)
+                except CaseError:
+                    continue  # a suite file not generated yet
+        else:
+            pool = load_suite(names[0])
+        cases = select(pool, args.case_id) if args.case_id else pool
+    if args.limit is not None:
+        cases = cases[:max(args.limit, 0)]
+    return label, cases
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """The engine options named on the command line."""
+    return RunOptions(impl=args.impl, against=args.against, provider=args.provider, device=args.device,
+                      require=getattr(args, "require", None), policy_path=args.policy)
