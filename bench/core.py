@@ -201,7 +201,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         harness_report=not args.no_harness_report,
         gate=dict(suite=args.gate_suite, provider=args.gate_provider, workers=args.gate_workers,
                   limit=args.gate_limit, runs=_csv(args.gate_runs) or ["cold", "warm"],
-                  cache_dir=args.gate_cache_dir, dir=args.gate_dir),
+                  cache_dir=args.gate_cache_dir, dir=args.gate_dir, budget_s=args.gate_budget_s),
         peak_tflops=args.peak_tflops if args.peak_tflops is not None else (
             H200_BF16_PEAK_TFLOPS if device == "cuda" else None),
         threads=args.threads if args.threads is not None else (1 if device == "cpu" else None),
@@ -770,7 +770,8 @@ def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], 
 
 def run_gate_section(settings: Settings, log: Callable[[str], None]) -> dict:
     """The ``gate`` section (:func:`bench.gate.gate_section`); runs under ``--gate-dir`` (default
-    ``reports/out/bench/gate-<time>``), not bound by ``--budget-s`` (a gate run is timed whole)."""
+    ``reports/out/bench/gate-<time>``), bound by ``--gate-budget-s`` rather than ``--budget-s`` (a gate run is timed
+    whole: a run that cannot start in time is skipped, one that is running is cut at the deadline)."""
     from bench.gate import gate_section
     from parity.runner import DEFAULT_OUT_ROOT
 
@@ -778,4 +779,5 @@ def run_gate_section(settings: Settings, log: Callable[[str], None]) -> dict:
     root = Path(g.get("dir") or DEFAULT_OUT_ROOT / "bench" / f"gate-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     return gate_section(root, suite=g.get("suite") or "gate", provider=g.get("provider") or "cudnn",
                         workers=g.get("workers") or "auto", limit=g.get("limit"), runs=g.get("runs") or ("cold", "warm"),
-                        cache_dir=Path(g["cache_dir"]) if g.get("cache_dir") else None, log=log)
+                        cache_dir=Path(g["cache_dir"]) if g.get("cache_dir") else None, budget_s=g.get("budget_s"),
+                        log=log)

@@ -103,6 +103,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     p.add_argument("--gate-limit", type=int, help="--limit of the gate runs (default: the whole suite)")
     p.add_argument("--gate-runs", help="cold and/or warm, in order (default cold,warm; cold empties the cache)")
     p.add_argument("--gate-cache-dir", help="compiled-kernel cache of the gate runs (default <gate dir>/kernel-cache)")
+    p.add_argument("--gate-budget-s", type=float,
+                   help="deadline of the gate section in seconds (default none): runs that cannot start are skipped, "
+                        "a running one is cut")
     p.add_argument("--gate-dir", help="where the gate runs write (default reports/out/bench/gate-<time>)")
     p.add_argument("--json", metavar="PATH", help="write the JSON here (default reports/out/bench/bench-<time>.json)")
     p.add_argument("--plot", metavar="PATH", help="write the PNG here (default: the JSON path with .png)")

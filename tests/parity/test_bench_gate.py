@@ -102,8 +102,9 @@ def test_bench_accepts_the_opt_in_section(sections):
     parser = argparse.ArgumentParser()
     bench_command.add_parsers(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "--sections", sections, "--device", "cpu", "--gate-limit", "3",
-                              "--gate-runs", "warm"])
+                              "--gate-runs", "warm", "--gate-budget-s", "500"])
     settings = core.resolve_settings(args)
     assert "gate" in settings.sections and settings.gate["limit"] == 3 and settings.gate["runs"] == ["warm"]
+    assert settings.gate["budget_s"] == 500
     default = core.resolve_settings(parser.parse_args(["bench", "--device", "cpu"]))
     assert "gate" not in default.sections
