@@ -364,6 +364,8 @@ class PersistentCompileCache(dict):
             _count(self.namespace, "compile_s", time.perf_counter() - started)
         entry = self._entry(key)
         obj = compiled
+        if entry is None and key_text(key) is None and persistence_enabled():
+            _count(self.namespace, "not_persisted")  # a key that cannot name the kernel in another process
         if entry is not None:
             try:
                 obj = self._store(key, entry, compiled) or compiled
