@@ -1,7 +1,7 @@
 """``dsv4-parity bench --sections gate``: the PR gate's wall time, cold and warm, and where it goes.
 
 The gate suite runs as ``dsv4-parity run`` subprocesses (exactly what ``make parity`` runs on a GPU runner:
-``--suite gate --provider cudnn --workers auto``), twice over one compiled-kernel cache directory: **cold** (a fresh,
+``--suite gate --provider cudnn --workers auto --make-default``, the report rendering included), twice over one compiled-kernel cache directory: **cold** (a fresh,
 empty cache: every CuTe-DSL kernel compiles) then **warm** (the same cache, as a re-run on the same runner). Each run
 records its wall time, the outcome counts, the per-case phases summed over the workers (``phases_s`` of the
 ``results.jsonl`` case rows: materialize / impl / reference / compare), and the compiled-kernel cache's counters summed
@@ -30,10 +30,13 @@ REPO = Path(__file__).resolve().parents[1]  # the repository root (bench/..)
 PHASES = ("materialize", "impl", "reference", "compare")
 
 
-def gate_command(suite: str, provider: str, workers: str, out: Path, limit: Optional[int]) -> list[str]:
+def gate_command(suite: str, provider: str, workers: str, out: Path, limit: Optional[int],
+                 make_default: bool = True) -> list[str]:
+    """``make parity``'s command line (``make_default``: also point ``reports/out/latest`` at the run and render its
+    report, as ``make parity`` does)."""
     cmd = [sys.executable, "-m", "cli", "run", "--suite", suite, "--provider", provider, "--workers",
            str(workers), "--out", str(out)]
-    return cmd + (["--limit", str(limit)] if limit else [])
+    return cmd + (["--limit", str(limit)] if limit else []) + (["--make-default"] if make_default else [])
 
 
 def summarize_results(path: Path) -> dict[str, Any]:
@@ -75,7 +78,7 @@ def collect_compile_stats(stats_dir: Path) -> dict[str, Any]:
 
 
 def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provider: str, workers: str,
-                  limit: Optional[int], timeout_s: Optional[float],
+                  limit: Optional[int], timeout_s: Optional[float], make_default: bool = True,
                   runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict[str, Any]:
     """One gate run as a subprocess over ``cache_dir``; its wall time, outcomes, phases and compile counters."""
     out, stats_dir = root / label, root / f"{label}-compile-stats"
@@ -84,7 +87,7 @@ def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provid
     env = {k: v for k, v in os.environ.items() if k not in CHILD_UNSET}
     env.update({compile_cache.ENV_DIR: str(cache_dir), compile_cache.ENV_STATS: str(stats_dir)})
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = gate_command(suite, provider, workers, out, limit)
+    cmd = gate_command(suite, provider, workers, out, limit, make_default)
     start = time.perf_counter()
     try:
         proc = runner(cmd, env=env, timeout=timeout_s, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -125,7 +128,7 @@ def compare_outcomes(cold_out: Path, warm_out: Path) -> dict[str, Any]:
 
 def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", workers: str = "auto",
                  limit: Optional[int] = None, runs: Sequence[str] = ("cold", "warm"),
-                 cache_dir: Optional[Path] = None, budget_s: Optional[float] = None,
+                 cache_dir: Optional[Path] = None, budget_s: Optional[float] = None, make_default: bool = True,
                  log: Callable[[str], None] = lambda _m: None,
                  runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict[str, Any]:
     """Run the gate ``runs`` in order over one cache directory (``cold`` empties it first) under ``root``."""
@@ -143,7 +146,7 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
             compile_cache.clear(cache_dir)
         log(f"gate {label}: {suite} suite, provider {provider}, workers {workers}, cache {cache_dir}")
         row = run_gate_once(label, root, cache_dir, suite=suite, provider=provider, workers=workers, limit=limit,
-                            timeout_s=left, runner=runner)
+                            timeout_s=left, make_default=make_default, runner=runner)
         log(f"gate {label}: {row['wall_s']} s, {row['outcomes']}, compiled {row['compile']['totals'].get('compiled', 0)}"
             f" kernels in {row['compile']['totals'].get('compile_s', 0)} s, loaded "
             f"{row['compile']['totals'].get('loaded', 0)}")

@@ -84,7 +84,8 @@ def test_summarize_tolerates_a_torn_last_line(tmp_path):
 
 def test_real_run_of_two_smoke_cases(tmp_path):
     """The plumbing end to end on the CPU: the real ``dsv4-parity run`` subprocess (smoke, torch provider)."""
-    section = bench_gate.gate_section(tmp_path / "g", suite="smoke", provider="torch", workers="1", limit=2)
+    section = bench_gate.gate_section(tmp_path / "g", suite="smoke", provider="torch", workers="1", limit=2,
+                                      make_default=False)  # (the default also renders and links reports/out/latest)
     cold, warm = section["runs"]
     assert cold["exit_code"] == 0, cold["output_tail"]
     assert cold["cases"] == 2 and cold["outcomes"].get("pass") == 2 and cold["phases_s"]["impl"] > 0
