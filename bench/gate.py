@@ -74,7 +74,9 @@ def collect_compile_stats(stats_dir: Path) -> dict[str, Any]:
     for row in per_kernel.values():
         for name, value in row.items():
             totals[name] = round(totals.get(name, 0) + value, 3)
-    return {"processes": len(docs), "per_kernel": per_kernel, "totals": totals}
+    stores = sorted({d["store"] for d in docs if d.get("store")})
+    off = sorted({d["off"] for d in docs if d.get("off")})
+    return {"processes": len(docs), "per_kernel": per_kernel, "totals": totals, "stores": stores, "off": off}
 
 
 def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provider: str, workers: str,

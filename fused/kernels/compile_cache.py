@@ -83,6 +83,7 @@ _STATS: dict[str, dict[str, float]] = {}
 _HELD: dict[str, Any] = {}          # lock path -> open file: entries this process is compiling
 _LOADED: list[Any] = []             # reloaded modules, kept alive for the process
 _STORE: list[Optional[Path]] = []   # the resolved kernel directory (one per process), [] = not resolved yet
+_WHY_OFF: list[str] = []            # why this process persists nothing (empty: it does, or not resolved yet)
 
 
 # ---- location and environment ---------------------------------------------------------------------------------------
@@ -150,19 +151,24 @@ def kernel_store() -> Optional[Path]:
     with _LOCK:
         if _STORE:
             return _STORE[0]
+    why = ""
     try:
         manifest = environment_manifest()
-        store = None if any(v == "unknown" for v in manifest.values()) else \
+        unknown = sorted(k for k, v in manifest.items() if v == "unknown")
+        why = f"the environment cannot identify itself ({', '.join(unknown)} unknown)" if unknown else ""
+        store = None if unknown else \
             cache_root() / "dsa-kernels" / f"v{SCHEMA}" / _digest(json.dumps(manifest, sort_keys=True))
         if store is not None:
             store.mkdir(parents=True, exist_ok=True)
             if not (store / MANIFEST).exists():
                 _write_atomic(store / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     except Exception as exc:  # noqa: BLE001 - persistence is optional: compile as before
-        print(f"dsv4-parity: compiled-kernel cache off ({type(exc).__name__}: {exc})", file=sys.stderr)
-        store = None
+        why, store = f"{type(exc).__name__}: {exc}", None
+    if why:
+        print(f"dsv4-parity: compiled-kernel cache off: {why}", file=sys.stderr)
     with _LOCK:
         _STORE[:] = [store]
+        _WHY_OFF[:] = [why] if why else []
     return store
 
 
@@ -256,7 +262,10 @@ def flush_stats() -> Optional[Path]:
         return None
     path = Path(target) / f"{os.getpid()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, json.dumps({"pid": os.getpid(), "stats": stats()}, sort_keys=True).encode())
+    with _LOCK:
+        store, off = (str(_STORE[0]) if _STORE and _STORE[0] else None), list(_WHY_OFF)
+    doc = {"pid": os.getpid(), "stats": stats(), "store": store, "off": off[0] if off else None}
+    _write_atomic(path, json.dumps(doc, sort_keys=True).encode())
     return path
 
 

@@ -45,6 +45,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setattr(cc, "load_object", _fake_load)
     monkeypatch.setattr(cc, "_STATS", {})
     monkeypatch.setattr(cc, "_STORE", [])
+    monkeypatch.setattr(cc, "_WHY_OFF", [])
     yield manifest
     cc.release_locks()
 
@@ -167,6 +168,8 @@ def test_no_persistence_when_off_or_unidentifiable(env, monkeypatch, why):
         monkeypatch.setattr(cc, "calling_convention", lambda c: None)
     compiles = []
     assert run(cc.PersistentCompileCache("ns"), KEY, 1.0, compiles) == 3.0
+    if why == "unknown field":
+        assert "device_name unknown" in cc._WHY_OFF[0]
     new_process()
     assert run(cc.PersistentCompileCache("ns"), KEY, 1.0, compiles) == 3.0 and len(compiles) == 2
     assert not list(cc.cache_root().rglob(cc.RECORD))
@@ -195,7 +198,7 @@ def test_stats_files_and_merge(env, tmp_path, monkeypatch):
     run(cc.PersistentCompileCache("ns"), KEY, 1.0, [])
     (path,) = list((tmp_path / "stats").glob("*.json"))
     doc = json.loads(path.read_text())
-    assert doc["stats"]["ns"]["compiled"] == 1
+    assert doc["stats"]["ns"]["compiled"] == 1 and doc["store"] and doc["off"] is None
     merged = cc.merge_stats([doc, doc])
     assert merged["ns"]["compiled"] == 2
 

@@ -29,10 +29,11 @@ def fake_gate(outcomes_by_run, compiled_by_run, seen_env):
         (out / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         stats = Path(env[compile_cache.ENV_STATS])
         stats.mkdir(parents=True)
+        n = compiled_by_run[label]
+        row = {"compiled": n, "compile_s": 8.0 * n, "loaded": 2 - n, "load_s": 0.01}
         for pid in (1, 2):
-            (stats / f"{pid}.json").write_text(json.dumps({"pid": pid, "stats": {
-                "sparse_attn_bwd": {"compiled": compiled_by_run[label], "compile_s": 8.0 * compiled_by_run[label],
-                                    "loaded": 2 - compiled_by_run[label], "load_s": 0.01}}}))
+            doc = {"pid": pid, "store": "/c/dsa-kernels/v1/e", "off": None, "stats": {"sparse_attn_bwd": row}}
+            (stats / f"{pid}.json").write_text(json.dumps(doc))
         return subprocess.CompletedProcess(cmd, 1 if "fail" in outcomes_by_run[label] else 0, stdout="done\n")
     return runner
 
@@ -54,6 +55,7 @@ def test_cold_then_warm_over_one_cache(tmp_path, monkeypatch):
     assert cold["phases_s"] == {"materialize": 2.0, "impl": 6.0, "reference": 1.0, "compare": 1.0}
     assert cold["phase_share"]["impl"] == 0.6
     assert cold["compile"]["processes"] == 2 and cold["compile"]["totals"]["compiled"] == 4
+    assert cold["compile"]["stores"] == ["/c/dsa-kernels/v1/e"] and cold["compile"]["off"] == []
     assert cold["compile"]["per_kernel"]["sparse_attn_bwd"]["compile_s"] == 32.0
     assert warm["compile"]["totals"]["compiled"] == 0 and warm["compile"]["totals"]["loaded"] == 4
     assert cold["met"] is True and warm["met"] is True and cold["target_s"] == 300 and warm["target_s"] == 180
