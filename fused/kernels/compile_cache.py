@@ -53,7 +53,6 @@ ENV_DIR = "DSV4_PARITY_CACHE_DIR"
 ENV_SWITCH = "DSV4_PARITY_KERNEL_CACHE"
 ENV_STATS = "DSV4_PARITY_COMPILE_STATS"
 SCHEMA = 1
-SYMBOL = "dsv4_kernel"
 OBJECT, RECORD, MANIFEST = "kernel.o", "entry.json", "manifest.json"
 LOCK_WAIT_S = 90.0  # the longest single compile measured is 17 s
 
@@ -219,17 +218,22 @@ def calling_convention(compiled: Any) -> Optional[dict]:
     return {"positional": True} if isinstance(compiled, tvm_ffi.Function) else None
 
 
-def export_object(compiled: Any, path: Path) -> None:
-    compiled.export_to_c(str(path), function_name=SYMBOL)
+def symbol_of(namespace: str) -> str:
+    """The exported function name of a namespace's kernels (one per kernel family, as cudnn-frontend's own cache)."""
+    return "dsv4_" + "".join(ch if ch.isalnum() else "_" for ch in namespace)
 
 
-def load_object(path: Path, convention: dict) -> Callable:
+def export_object(compiled: Any, path: Path, symbol: str) -> None:
+    compiled.export_to_c(str(path), function_name=symbol)
+
+
+def load_object(path: Path, symbol: str, convention: dict) -> Callable:
     """The callable of an exported object, called like the in-process one (``convention``)."""
     import cutlass  # noqa: PLC0415
 
     module = cutlass.runtime.load_module(str(path), enable_tvm_ffi=True)
     _LOADED.append(module)
-    raw = getattr(module, SYMBOL)
+    raw = getattr(module, symbol)
     if convention.get("positional"):
         return raw
     from cudnn.frost.compiled_cache import _rebuild_wrapper  # noqa: PLC0415
@@ -393,11 +397,11 @@ class PersistentCompileCache(dict):
         try:
             record = json.loads(record_path.read_text())
             if (record.get("schema") != SCHEMA or record.get("namespace") != self.namespace
-                    or record.get("key") != key_text(key) or record.get("symbol") != SYMBOL):
+                    or record.get("key") != key_text(key) or record.get("symbol") != symbol_of(self.namespace)):
                 raise ValueError("the entry's record names another kernel")
             if _sha256(object_path) != record.get("sha256"):
                 raise ValueError("the object file does not match its recorded SHA-256")
-            fn = load_object(object_path, record["convention"])
+            fn = load_object(object_path, record["symbol"], record["convention"])
         except Exception as exc:  # noqa: BLE001 - a stale, foreign or corrupt entry is a miss
             _count(self.namespace, "rejected")
             print(f"dsv4-parity: compiled-kernel cache entry {entry} rejected ({type(exc).__name__}: {exc}); "
@@ -420,9 +424,10 @@ class PersistentCompileCache(dict):
                 return None
             entry.mkdir(parents=True, exist_ok=True)
             tmp = entry / f".{OBJECT}.{os.getpid()}.tmp"
-            export_object(compiled, tmp)
+            export_object(compiled, tmp, symbol_of(self.namespace))
             os.replace(tmp, entry / OBJECT)
-            record = {"schema": SCHEMA, "namespace": self.namespace, "key": key_text(key), "symbol": SYMBOL,
+            record = {"schema": SCHEMA, "namespace": self.namespace, "key": key_text(key),
+                      "symbol": symbol_of(self.namespace),
                       "convention": convention, "sha256": _sha256(entry / OBJECT)}
             _write_atomic(entry / RECORD, json.dumps(record, indent=1, sort_keys=True).encode())
         except Exception as exc:  # noqa: BLE001 - persistence is best effort; the kernel is compiled either way
