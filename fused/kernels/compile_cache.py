@@ -248,13 +248,14 @@ def load_object(path: Path, symbol: str, convention: dict) -> Callable:
 def _count(namespace: str, name: str, value: float = 1.0) -> None:
     with _LOCK:
         row = _STATS.setdefault(namespace, {"compiled": 0, "compile_s": 0.0, "loaded": 0, "load_s": 0.0,
-                                            "memory_hits": 0, "rejected": 0, "not_persisted": 0})
+                                            "wait_s": 0.0, "memory_hits": 0, "rejected": 0, "not_persisted": 0})
         row[name] = row.get(name, 0) + value
 
 
 def stats() -> dict[str, dict[str, float]]:
-    """Per namespace: ``compiled`` / ``compile_s``, ``loaded`` / ``load_s``, ``memory_hits``, ``rejected`` (entries
-    found but not usable), ``not_persisted`` (compiled objects that could not be stored)."""
+    """Per namespace: ``compiled`` / ``compile_s``, ``loaded`` / ``load_s``, ``wait_s`` (waiting for a peer's compile
+    lock), ``memory_hits``, ``rejected`` (entries found but not usable), ``not_persisted`` (compiled objects that
+    could not be stored)."""
     with _LOCK:
         return {ns: dict(row) for ns, row in _STATS.items()}
 
@@ -356,7 +357,10 @@ class PersistentCompileCache(dict):
         if entry is not None:
             if self._load(key, entry):
                 return True
-            if _claim(entry, self.wait_s) and self._load(key, entry):  # a peer published it while we waited
+            waited = time.perf_counter()
+            claimed = _claim(entry, self.wait_s)
+            _count(self.namespace, "wait_s", time.perf_counter() - waited)
+            if claimed and self._load(key, entry):  # a peer published it while we waited
                 _release(entry)
                 return True
         self._started[key] = time.perf_counter()

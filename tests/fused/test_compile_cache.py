@@ -190,6 +190,7 @@ def test_a_peer_holding_the_compile_lock_delays_then_compiles(env):
     with peer.open("a+b") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         assert run(cache, KEY, 1.0, compiles) == 3.0 and len(compiles) == 1
+    assert cc.stats()["ns"]["wait_s"] >= 0.2
     with peer.open("a+b") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if still held
 
