@@ -25,10 +25,9 @@ usable names on a CPU machine are ``["torch"]``), and, under the GPU tooling's n
 
 Modules: ``kernels`` (interface, contracts, torch provider), ``plan`` (selection), ``ops`` / ``compressor`` /
 ``indexer`` / ``layer`` (eager parts), ``index_maps`` and ``thd`` (index and layout plumbing), ``sparse_attention``
-(Paths A/C), ``indexer_loss`` (Path B), ``core_attention`` (dispatch), ``mutants`` (planted-bug switches).
+(Paths A/C), ``indexer_loss`` (Path B), ``core_attention`` (dispatch).
 """
 
-from . import mutants
 from .core_attention import compressor, core_attention
 from .indexer import indexer
 from .layer import attention_layer
@@ -37,5 +36,5 @@ from .plan import (BackendError, BackendUnavailable, Plan, StageUnsupported, ava
 from .providers import use_provider  # noqa: E402 - after the public API, which fused.providers re-exports
 
 __all__ = ["BackendError", "BackendUnavailable", "Plan", "StageUnsupported", "attention_layer", "available_providers",
-           "compressor", "core_attention", "current_plan", "executed", "indexer", "mutants", "register_provider",
+           "compressor", "core_attention", "current_plan", "executed", "indexer", "register_provider",
            "use_backend", "use_provider"]
