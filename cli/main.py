@@ -37,7 +37,8 @@ from parity.runner import Interrupted, RunConfig, new_run_id, resolve_out_dir, r
 from parity.shard import parse_workers
 from parity.usage import check_memory, check_run_options
 
-from cli import bench_command, cases_command, compare_runs_command, mutants_command, report_command
+from cli import (bench_command, cache_command, cases_command, compare_runs_command, mutants_command,
+                 report_command)
 from cli.options import (add_implementation_options, add_output_options, add_selection_options, run_options,
                          select_cases, selection_record)
 
@@ -253,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also measure failing cases (default: passing cases only)")
     cal.set_defaults(func=cmd_calibrate)
 
-    for command in (cases_command, report_command, mutants_command, bench_command, compare_runs_command):
+    for command in (cases_command, report_command, mutants_command, bench_command, compare_runs_command,
+                    cache_command):
         command.add_parsers(sub)
     return parser
 
