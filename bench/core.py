@@ -356,7 +356,8 @@ class Bench:
                                    deadline=deadline, estimate_s=estimate)
                 if rec is not None:
                     rec.flush()
-            if device != "cuda":  # the CPU meter slows every op down: a run of its own, after the timed ones
+            # the CPU meter slows every op down: a run of its own, after the timed ones, if it fits the deadline
+            if device != "cuda" and Budget.fits(deadline, 2 * (estimate or timing.median or 0.0)):
                 peak, mem_rec = self._memory_run(step, fused)
                 row["peak_mem_bytes"] = peak
         except Exception as exc:  # noqa: BLE001 — an OOM or a failing implementation is a row, not a crash
