@@ -22,7 +22,8 @@ Parity-engine hooks (``parity/impls.py``), so that ``--impl fused --provider aut
 usable names on a CPU machine are ``["torch"]``) and ``executed()`` (``{stage: provider}`` of the last block).
 
 Modules: ``kernels`` (interface, contracts, torch provider), ``plan`` (selection), ``ops`` / ``compressor`` /
-``indexer`` / ``layer`` (eager parts), ``index_maps`` and ``thd`` (index and layout plumbing), ``sparse_attention``
+``indexer`` / ``layer`` (eager parts), ``rows`` (the query-row space of a call, both layouts, computed once and
+passed down), ``index_maps`` and ``thd`` (index and layout plumbing), ``sparse_attention``
 (Paths A/C), ``indexer_loss`` (Path B), ``core_attention`` (dispatch).
 """
 
