@@ -297,11 +297,11 @@ def graph_replay_ms(step: Callable[[], None], repeats: int = 3) -> dict:
     warm-up on a side stream, as capture requires), or ``{"ms": None, "error": "<why the capture failed>"}``."""
     import torch
 
-    from fused.graph_replay import capture
+    from parity.graph_replay import capture_graph
 
     graph = None
     try:
-        graph, _ = capture(step)
+        graph, _ = capture_graph(step)
         graph.replay()
         torch.cuda.synchronize()
         times = []
