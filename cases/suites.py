@@ -8,6 +8,7 @@ suite          profile   purpose
 ``gate``       kernel    GPU PR gate: the shapes the sm90 kernels accept, bf16.
 ``nightly``    both      broad: many more tiny and kernel cases, every cell of smoke and gate and more.
 ``production`` flash/pro the production recipes (spec §8) and the layouts of Megatron's native parity tests (§9).
+``gate-cpu``   kernel    a subset of ``gate`` (:data:`SUBSETS`): its cases of at most 64 rows, same ids, for a CPU.
 =============  ========  ===========================================================================================
 
 A suite is ``(version, recipe) → cases`` where the recipe is (profile, seed, count, required cells) per part; the
@@ -184,7 +185,16 @@ SUITES: dict[str, SuiteSpec] = {
 }
 
 
+#: Subsets of a stored suite, by name: ``(parent, description, predicate)``. Their cases are the parent's own
+#: (ids unchanged); nothing is stored for them.
+SUBSETS: dict[str, tuple[str, str, Callable[[Case], bool]]] = {
+    "gate-cpu": ("gate", "the gate's small cases (at most 64 rows): the bf16 GPU gate's shapes, runnable on a CPU "
+                 "with `--device cpu`", lambda c: c.layout.num_tokens <= 64),
+}
+
+
 def suite_names() -> list[str]:
+    """The stored suites (not their :data:`SUBSETS`)."""
     return list(SUITES)
 
 
@@ -240,7 +250,10 @@ def _load(name: str) -> tuple[Case, ...]:
 
 
 def load_suite(name: str) -> list[Case]:
-    """The stored cases of suite ``name`` (fast: reads ``cases/suites/<name>.json``)."""
+    """The stored cases of suite ``name`` (fast: reads ``cases/suites/<name>.json``), or of a :data:`SUBSETS` entry."""
+    if name in SUBSETS:
+        parent, _, keep = SUBSETS[name]
+        return [c for c in _load(parent) if keep(c)]
     return list(_load(_spec(name).name))
 
 

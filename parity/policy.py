@@ -6,7 +6,9 @@ Layout::
      "classes": {CLASS: {DTYPE: {PROVIDER: ENTRY}}},   # "*" is the fallback at the dtype and provider levels
      "topk": {DTYPE or "*": {"margin_factor": 1.0,    # score noise δ = margin_factor · (observed noise + floor)
                              "ulps": 4}},              # ULP floor of the score noise (parity/topk.py)
-     "metamorphic": {DTYPE: {"ulps": 64}}}     # the ``ulp`` rule of the oracles (parity/metamorphic.py)
+     "metamorphic": {DTYPE: {"ulps": 64}},     # the ``ulp`` rule of the oracles (parity/metamorphic.py)
+     "sign_split": {"window_ulps": 8,          # the indexer ReLU's ambiguity window (parity/sign_split.py)
+                    "max_elements": 268435456}}  # largest activation pattern observed (rows × heads × ids)
 
 ``CLASS`` is a tensor class (``out lse index_scores topk loss grad_input grad_param grad_indexer``), ``DTYPE`` the case dtype,
 ``PROVIDER`` the fused kernel provider (``torch``, ``cudnn``, ...). An ``ENTRY`` holds the thresholds of the layered
@@ -21,6 +23,8 @@ verdict (:mod:`parity.verdict`) and the measured worst case each was set from::
      "rmse_ratio": 3.0,          # rule 4: rmse(a - r) / (rmse(p - r) + floor) <= this
      "scale_ratio": 3.0,         # rule 4: |‖a‖/‖r‖ - 1| / (same of p + scale_floor · eps) <= this
      "scale_floor": 0.25,        # optional (default 0.25): systematic bias tolerated for free, in eps
+     "similarity_cap": 0.1,      # optional (default 0.1): rule 3 never allows 1 - cosine / 1 - tensor_sim above
+                                 #   this, however poor the noise run (the similarity floor's fixed minimum)
      "measured": {"noise_floor_ratio": 1.2, "cosine_eps": 2e-5, ..., "from": "smoke fused@<run> (47 cases), ..."}}
 
 ``dsv4-parity calibrate`` refreshes the ``measured`` blocks from result files.
@@ -38,7 +42,7 @@ from cases.errors import CaseError
 POLICY_PATH = Path(__file__).with_name("policy.json")
 TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer")
 THRESHOLD_KEYS = ("noise_floor_ratio", "ulps", "cosine_eps", "tensor_sim_eps", "rmse_ratio", "scale_ratio")
-OPTIONAL_KEYS = {"scalar_ulps": 0.0, "scale_floor": 0.25, "atol": 0.0}
+OPTIONAL_KEYS = {"scalar_ulps": 0.0, "scale_floor": 0.25, "atol": 0.0, "similarity_cap": 0.1}
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Tolerance:
     scalar_ulps: float = 0.0
     scale_floor: float = 0.25
     atol: float = 0.0
+    similarity_cap: float = 0.1
     measured: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""  # "class/dtype/provider" of the entry used
 
