@@ -1,0 +1,115 @@
+"""Planted indexer-gradient bugs (issue 17), each applied from outside ``fused`` (no switch inside it).
+
+* ``scale_0.8`` / ``scale_1.22`` / ``shrink_8`` / ``one_over_rows``: fused whose gradients of the indexer parameters
+  (``core_attention.indexer.*``) come back multiplied by 0.8, 1.22, 1/8, or 1/(query rows) — the implementation
+  object is wrapped so every such parameter passes through an identity whose backward scales;
+* ``thd_local_ids_as_global``: fused's THD sparse indexer backward receives the *local* compressed ids while told they
+  are global (``fused.indexer_loss.local_to_global_flat`` replaced so that its call for the backward — the repeat
+  of the identical call made for the score recompute just before it — returns its input unchanged).
+
+:func:`kill_margin` is how far a killed case is past the deciding threshold (the failing metric's usage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterator, Optional
+
+import torch
+
+import fused
+import fused.indexer_loss as fused_loss
+from parity.impls import Implementation
+from parity.verdict import GATES
+
+INDEXER = "core_attention.indexer."
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class IndexerGradScaled:
+    """``fused`` with the indexer parameters' gradients times ``factor(rows)`` (``rows``: query rows of the call)."""
+
+    def __init__(self, factor: Callable[[int], float]):
+        self.factor = factor
+        self.use_backend = fused.use_backend
+        self.available_providers = fused.available_providers
+
+    def _params(self, params: dict, rows: int) -> dict:
+        f = self.factor(rows)
+        return {n: _ScaleGrad.apply(p, f) if n.startswith(INDEXER) and p.requires_grad else p
+                for n, p in params.items()}
+
+    @staticmethod
+    def _rows(x: torch.Tensor, packed) -> int:
+        return x.shape[0] if packed is not None else x.shape[0] * x.shape[1]
+
+    def attention_layer(self, hidden, params, config, packed_seq_params=None, **kw):
+        return fused.attention_layer(hidden, self._params(params, self._rows(hidden, packed_seq_params)), config,
+                                     packed_seq_params, **kw)
+
+    def core_attention(self, query, kv, hidden, q_latent, params, config, packed_seq_params=None, **kw):
+        return fused.core_attention(query, kv, hidden, q_latent,
+                                    self._params(params, self._rows(hidden, packed_seq_params)), config,
+                                    packed_seq_params, **kw)
+
+
+@contextlib.contextmanager
+def thd_local_ids_as_global() -> Iterator[None]:
+    """While active, fused's THD sparse indexer backward gets local ids flagged as global (module docstring)."""
+    real = fused_loss.local_to_global_flat
+    last: list = [None]
+
+    def planted(ids, *args):
+        key = (id(ids),) + tuple(id(a) for a in args)
+        repeat, last[0] = last[0] == key, key
+        return ids if repeat else real(ids, *args)
+
+    fused_loss.local_to_global_flat = planted
+    try:
+        yield
+    finally:
+        fused_loss.local_to_global_flat = real
+
+
+BUGS: dict[str, tuple[Callable[[], Implementation], Callable[[], contextlib.AbstractContextManager]]] = {
+    "scale_0.8": (lambda: Implementation("fused*0.8", IndexerGradScaled(lambda rows: 0.8)), contextlib.nullcontext),
+    "scale_1.22": (lambda: Implementation("fused*1.22", IndexerGradScaled(lambda rows: 1.22)),
+                   contextlib.nullcontext),
+    "shrink_8": (lambda: Implementation("fused/8", IndexerGradScaled(lambda rows: 1 / 8)), contextlib.nullcontext),
+    "one_over_rows": (lambda: Implementation("fused/rows", IndexerGradScaled(lambda rows: 1 / rows)),
+                      contextlib.nullcontext),
+    "thd_local_ids_as_global": (lambda: Implementation("fused", fused), thd_local_ids_as_global),
+}
+
+
+def reaches(bug: str, case) -> bool:
+    """Whether ``bug`` can show on ``case``: the id mix-up needs a THD sparse loss and a segment after the first
+    (whose global ids differ from its local ones) with a row that sees two compressed keys (8 real rows)."""
+    if bug == "thd_local_ids_as_global":
+        return case.is_thd and case.config.dsa_indexer_use_sparse_loss and max(case.layout.real_lengths[1:],
+                                                                               default=0) >= 8
+    return True
+
+
+def kill_margin(result) -> Optional[float]:
+    """The usage (value / threshold) of the failing metric of the case's deciding rule, largest over its tensors;
+    None if the case did not fail on a gating metric."""
+    best = None
+    for t in result.tensors:
+        if t.failed and t.rule == result.decided_by:
+            for m in t.metrics:
+                if m.metric in GATES and GATES[m.metric][0] == t.rule and m.passed is False:
+                    usage = m.usage
+                    best = usage if best is None or usage > best or math.isnan(best) else best
+    return best
