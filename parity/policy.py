@@ -118,6 +118,8 @@ def validate(data: Any, where: str = "policy") -> None:
                     value = entry.get(key) if isinstance(entry, Mapping) else None
                     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                         raise CaseError(f"{at}.{key}", f"must be a non-negative number, got {value!r}")
+                if entry.get("similarity_cap", 0.0) >= 1:
+                    raise CaseError(f"{at}.similarity_cap", "must be below 1 (else a negative cosine can pass)")
                 if not isinstance(entry.get("measured"), Mapping):
                     raise CaseError(f"{at}.measured", "every entry records the measured worst case it was set from")
     for cls in TENSOR_CLASSES:

@@ -1,8 +1,8 @@
 """``python -m parity.seed_sweep``: false failures of the policy over many tensor seeds of the same case shapes.
 
-A suite's cases (filtered by dtype, by default bf16 cases that train an indexer) are re-run with ``--seeds N``
-fresh seeds each (``case.replace(seed=...)``: same shapes, new tensors), fused (torch provider) against the
-reference on the CPU, in-process. Every case row goes to ``<out>/results.jsonl`` (``dsv4-parity calibrate`` reads
+A suite's cases (filtered by dtype, by default bf16 cases with non-zero indexer gradients) are re-run in turn with
+fresh seeds (``case.replace(seed=...)``: same shapes, new tensors) until ``--cases N`` have run, fused (torch
+provider) against the reference on the CPU, in-process. Every case row goes to ``<out>/results.jsonl`` (``dsv4-parity calibrate`` reads
 it); the summary prints the failures and, per tensor class, the worst value of each gating metric and its usage
 of the threshold (value / threshold; for similarities ``(1 - sim) / (1 - floor)``). Exit 1 iff a case failed or
 errored.
@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+
 from cases.case import Case
 from cases.suites import load_suite
 
@@ -28,11 +30,18 @@ from .verdict import GATES
 DEFAULT_OUT = Path("reports") / "out" / "seed-sweep"
 
 
-def sweep_cases(suite: str, dtype: str, seeds: int, indexer_only: bool = True, first_seed: int = 1) -> list[Case]:
-    """``seeds`` re-seeded copies of each selected case of ``suite`` (seed-major order)."""
-    base = [c for c in load_suite(suite) if c.dtype == dtype and
-            (not indexer_only or (c.config.has_indexer and c.training and c.config.dsa_indexer_loss_coeff > 0))]
-    return [c.replace(seed=first_seed + i * 7919 + j) for i in range(seeds) for j, c in enumerate(base)]
+def trains_indexer(case: Case) -> bool:
+    """The case has indexer gradients that are not all 0: a loss, and a sequence of 8 real rows (a row that sees two
+    compressed keys; with one key the KL is 0 whatever the tensors)."""
+    c, lay = case.config, case.layout
+    longest = max(lay.real_lengths, default=0) if case.is_thd else lay.seq_len
+    return c.has_indexer and case.training and c.dsa_indexer_loss_coeff > 0 and longest >= 8
+
+
+def sweep_cases(suite: str, dtype: str, count: int, indexer_only: bool = True, first_seed: int = 1) -> list[Case]:
+    """``count`` cases: the selected cases of ``suite`` re-seeded in turn (seed-major order)."""
+    base = [c for c in load_suite(suite) if c.dtype == dtype and (not indexer_only or trains_indexer(c))]
+    return [base[i % len(base)].replace(seed=first_seed + i) for i in range(count)] if base else []
 
 
 def worst_by_class(results: Sequence) -> dict:
@@ -58,12 +67,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m parity.seed_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", default="smoke")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--cases", type=int, default=100, help="how many re-seeded cases to run (default 100)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--all-cases", action="store_true", help="not only the cases that train an indexer")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--policy")
     args = p.parse_args(argv)
-    cases = sweep_cases(args.suite, args.dtype, args.seeds, not args.all_cases)
+    torch.set_num_threads(max(1, args.threads))
+    cases = sweep_cases(args.suite, args.dtype, args.cases, not args.all_cases)
     options = RunOptions(provider="torch", device="cpu", policy_path=args.policy)
     impl, against = load("fused"), load("reference")
     out = Path(args.out)
@@ -80,7 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if i % 50 == 0:
             print(f"{i}/{len(cases)} cases, {len(bad)} failed, {time.perf_counter() - start:.0f} s", flush=True)
     writer.close()
-    print(f"{len(cases)} cases ({args.suite} {args.dtype} x {args.seeds} seeds): "
+    print(f"{len(cases)} re-seeded {args.suite} {args.dtype} cases: "
           f"{sum(r.outcome == 'pass' for r in results)} passed, {len(bad)} failed or errored")
     for cls, metrics in sorted(worst_by_class(results).items()):
         cells = ", ".join(f"{_shown(m, v)} (usage {u:.2f}, {cid})" for m, (v, u, cid, _) in sorted(metrics.items()))
