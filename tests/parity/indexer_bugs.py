@@ -7,7 +7,7 @@
   are global (``fused.indexer_loss.local_to_global_flat`` replaced so that its call for the backward — the repeat
   of the identical call made for the score recompute just before it — returns its input unchanged).
 
-:func:`kill_margin` is how far a killed case is past the deciding threshold (the failing metric's usage).
+:func:`kill_margin` is how far a killed case is past the threshold that kills it (its strongest failing metric).
 """
 
 from __future__ import annotations
@@ -102,14 +102,15 @@ def reaches(bug: str, case) -> bool:
     return True
 
 
-def kill_margin(result) -> Optional[float]:
-    """The usage (value / threshold) of the failing metric of the case's deciding rule, largest over its tensors;
-    None if the case did not fail on a gating metric."""
+def kill_margin(result) -> Optional[tuple[float, str]]:
+    """How far past its threshold the strongest failing gating metric of the case is: ``(usage, "tensor metric")``
+    (usage = value / threshold, for similarities ``(1 - sim) / (1 - floor)``); the case would still fail with that
+    metric's threshold loosened by ``usage``. None if no gating metric failed."""
     best = None
     for t in result.tensors:
-        if t.failed and t.rule == result.decided_by:
-            for m in t.metrics:
-                if m.metric in GATES and GATES[m.metric][0] == t.rule and m.passed is False:
-                    usage = m.usage
-                    best = usage if best is None or usage > best or math.isnan(best) else best
+        for m in t.metrics:
+            if m.metric in GATES and m.passed is False:
+                usage = m.usage
+                if best is None or usage > best[0] or math.isnan(best[0]):
+                    best = (usage, f"{t.name} {m.metric}")
     return best
