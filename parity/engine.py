@@ -163,6 +163,8 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
         stage = f"{against.name} runs"
         with clock("reference"):
             truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern)
+        if pattern is None and sign_split.applies(case):
+            note = "; ".join(filter(None, (note, "no sign-split (activation pattern over sign_split.max_elements)")))
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))

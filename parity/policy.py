@@ -122,6 +122,11 @@ def validate(data: Any, where: str = "policy") -> None:
                     raise CaseError(f"{at}.similarity_cap", "must be below 1 (else a negative cosine can pass)")
                 if not isinstance(entry.get("measured"), Mapping):
                     raise CaseError(f"{at}.measured", "every entry records the measured worst case it was set from")
+    for key, value in (data.get("sign_split") or {}).items():
+        if key not in ("window_ulps", "max_elements"):
+            raise CaseError(f"{where}.sign_split.{key}", "unknown key (known: window_ulps, max_elements)")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise CaseError(f"{where}.sign_split.{key}", f"must be a non-negative number, got {value!r}")
     for cls in TENSOR_CLASSES:
         if cls not in data["classes"]:
             raise CaseError(f"{where}.classes.{cls}", "missing tensor class")

@@ -1,4 +1,4 @@
-"""Rule 3's similarity floor never goes below the policy's fixed minimum (``1 - similarity_cap``), however poor the
+"""Limits that cannot go vacuous (issue 17): rule 3's similarity floor never goes below the policy's fixed minimum
 same-dtype noise run: the old adaptive floor ``1 - f² (1 - sim_noise)`` accepted a cosine of -0.49 (issue 17)."""
 
 import dataclasses
@@ -58,3 +58,13 @@ def test_a_cap_of_1_is_refused(tmp_path):
     with pytest.raises(CaseError) as err:
         P.load(path)
     assert err.value.field == "policy.classes.grad_indexer.bfloat16.*.similarity_cap"
+
+
+def test_a_malformed_sign_split_section_names_the_field(tmp_path):
+    data = json.loads(P.POLICY_PATH.read_text())
+    data["sign_split"]["window"] = 8
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CaseError) as err:
+        P.load(path)
+    assert err.value.field == "policy.sign_split.window"
