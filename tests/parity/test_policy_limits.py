@@ -1,5 +1,6 @@
-"""Limits that cannot go vacuous (issue 17): rule 3's similarity floor never goes below the policy's fixed minimum
-same-dtype noise run: the old adaptive floor ``1 - f² (1 - sim_noise)`` accepted a cosine of -0.49 (issue 17)."""
+"""Limits that cannot go vacuous (issue 17): rule 3's similarity floor never drops below the policy's fixed minimum
+(``1 - similarity_cap``) however poor the same-dtype noise run (the old adaptive floor ``1 - f² (1 - sim_noise)``
+accepted a cosine of -0.49); the ``sign_split`` section is validated."""
 
 import dataclasses
 import json
