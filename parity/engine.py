@@ -157,9 +157,10 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
         with clock("impl"):
             impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
         result.plan = impl_snap.record or {}
-        stage = f"{impl.name} activation pattern"
-        with clock("sign_split"):
-            pattern = observe_pattern(case, impl, tensors, provider, options, policy)
+        stage, pattern = f"{impl.name} activation pattern", None
+        if sign_split.applies(case):
+            with clock("sign_split"):
+                pattern = observe_pattern(case, impl, tensors, provider, options, policy)
         stage = f"{against.name} runs"
         with clock("reference"):
             truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern)

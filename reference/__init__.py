@@ -22,4 +22,4 @@ from .core_attention import core_attention
 from .indexer import indexer
 from .layer import attention_layer
 
-__all__ = ["attention_layer", "compressor", "core_attention", "indexer", "use_activation_pattern"]
+__all__ = ["attention_layer", "compressor", "core_attention", "indexer"]  # the mirrored API; not the sign-split hook

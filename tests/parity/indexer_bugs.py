@@ -20,6 +20,7 @@ import torch
 
 import fused
 import fused.indexer_loss as fused_loss
+from cases.suites import offsets_compressed_ids
 from parity.impls import Implementation
 from parity.verdict import GATES
 
@@ -94,11 +95,10 @@ BUGS: dict[str, tuple[Callable[[], Implementation], Callable[[], contextlib.Abst
 
 
 def reaches(bug: str, case) -> bool:
-    """Whether ``bug`` can show on ``case``: the id mix-up needs a THD sparse loss and a segment after the first
-    (whose global ids differ from its local ones) with a row that sees two compressed keys (8 real rows)."""
+    """Whether ``bug`` can show on ``case``: the id mix-up needs a later THD segment whose global compressed ids
+    differ from its local ones (:func:`cases.suites.offsets_compressed_ids`)."""
     if bug == "thd_local_ids_as_global":
-        return case.is_thd and case.config.dsa_indexer_use_sparse_loss and max(case.layout.real_lengths[1:],
-                                                                               default=0) >= 8
+        return offsets_compressed_ids(case)
     return True
 
 
