@@ -8,6 +8,8 @@ suite          profile   purpose
 ``gate``       kernel    GPU PR gate: the shapes the sm90 kernels accept, bf16.
 ``nightly``    both      broad: many more tiny and kernel cases, every cell of smoke and gate and more.
 ``production`` flash/pro the production recipes (spec §8) and the layouts of Megatron's native parity tests (§9).
+``gate-cpu``   kernel    a subset of ``gate`` (:data:`SUBSETS`): its cases of at most 64 rows (and the smallest with
+                         offset compressed ids), same ids, for a CPU.
 =============  ========  ===========================================================================================
 
 A suite is ``(version, recipe) → cases`` where the recipe is (profile, seed, count, required cells) per part; the
@@ -184,7 +186,33 @@ SUITES: dict[str, SuiteSpec] = {
 }
 
 
+def offsets_compressed_ids(case: Case) -> bool:
+    """A THD sparse indexer loss where a later segment with a row that sees two compressed keys (8 real rows) has
+    global compressed ids different from its local ones (an earlier segment has compressed keys)."""
+    lay, c = case.layout, case.config
+    if not (case.is_thd and c.has_indexer and case.training and c.dsa_indexer_use_sparse_loss):
+        return False
+    comp, real = lay.compressed_lengths(4), lay.real_lengths
+    return any(real[i] >= 8 and sum(comp[:i]) > 0 for i in range(1, len(real)))
+
+
+def _gate_cpu(cases: Sequence[Case]) -> list[Case]:
+    """The gate's cases of at most 64 rows, and its smallest case with offset compressed ids (none is that small)."""
+    offset = [c for c in cases if offsets_compressed_ids(c)]
+    extra = {min(offset, key=lambda c: c.layout.num_tokens).id} if offset else set()
+    return [c for c in cases if c.layout.num_tokens <= 64 or c.id in extra]
+
+
+#: Subsets of a stored suite, by name: ``(parent, description, select)``. Their cases are the parent's own (ids
+#: unchanged); nothing is stored for them.
+SUBSETS: dict[str, tuple[str, str, Callable[[Sequence[Case]], list[Case]]]] = {
+    "gate-cpu": ("gate", "the gate's small cases (at most 64 rows, and its smallest with offset compressed ids): "
+                 "the bf16 GPU gate's shapes, runnable on a CPU with `--device cpu`", _gate_cpu),
+}
+
+
 def suite_names() -> list[str]:
+    """The stored suites (not their :data:`SUBSETS`)."""
     return list(SUITES)
 
 
@@ -240,7 +268,10 @@ def _load(name: str) -> tuple[Case, ...]:
 
 
 def load_suite(name: str) -> list[Case]:
-    """The stored cases of suite ``name`` (fast: reads ``cases/suites/<name>.json``)."""
+    """The stored cases of suite ``name`` (fast: reads ``cases/suites/<name>.json``), or of a :data:`SUBSETS` entry."""
+    if name in SUBSETS:
+        parent, _, select = SUBSETS[name]
+        return select(_load(parent))
     return list(_load(_spec(name).name))
 
 

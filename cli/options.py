@@ -23,12 +23,13 @@ def add_implementation_options(p: argparse.ArgumentParser, *, impl_default: str 
     p.add_argument("--provider", default="auto", choices=PROVIDERS,
                    help="fused kernel provider; auto = per stage, the best available here (default auto)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="where to run (default: cuda if available)")
+                   help="where to run (default: cuda if available); an explicit cpu also runs the cases "
+                        "that ask for CUDA (e.g. --suite gate-cpu)")
     p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
 
 
 def add_selection_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", help="suite name (smoke, gate, nightly, production; default smoke)")
+    p.add_argument("--suite", help="suite name (smoke, gate, gate-cpu, nightly, production; default smoke)")
     p.add_argument("--case", action="append", default=[], metavar="JSON",
                    help="a case as JSON, or @FILE holding one case object or a list (repeatable)")
     p.add_argument("--case-id", action="append", default=[], metavar="ID",

@@ -8,6 +8,10 @@ For a case of dtype ``d`` (all runs on the same device, from the same materialis
 3. ``noise`` — the reference in ``d`` with the same top-k: its distance to ``truth`` is the noise floor. For a
    float64 case it *is* ``truth`` (the floor is then the policy's few ULPs).
 
+Sign-split (:mod:`parity.sign_split`): for float32 / bf16 training cases with an indexer loss, both reference runs
+also take the implementation's indexer ReLU pattern (observed through its public API) where their own product is
+ambiguously near 0, so a rounding-flipped sign can neither fake nor hide an indexer-gradient difference.
+
 The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`).
 
 Outcomes: ``pass`` / ``fail`` (numeric or structural), ``error`` (an exception, e.g. a CUDA fault, or a crashed
@@ -30,7 +34,7 @@ from cases.case import Case
 from cases.tensors import materialize
 
 from . import policy as policy_mod
-from . import structure, verdict
+from . import sign_split, structure, verdict
 from .impls import Implementation, is_unsupported, policy_provider
 from .results import CaseResult
 from .snapshot import run
@@ -43,7 +47,7 @@ class RunOptions:
     impl: str = "fused"
     against: str = "reference"
     provider: str = "auto"      # as given on the command line
-    device: str = "auto"        # auto / cpu / cuda
+    device: str = "auto"        # auto / cpu / cuda; explicit cpu also runs the cases that ask for CUDA (gate-cpu)
     require: Optional[str] = None
     policy_path: Optional[str] = None
 
@@ -142,7 +146,7 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
         return result
 
     device = options.torch_device()
-    if case.device == "cuda" and device != "cuda":
+    if case.device == "cuda" and device != "cuda" and options.device == "auto":  # an explicit --device overrides
         return finish("unsupported", "device", "the case needs a CUDA device (kernel-profile shapes)")
     clock = _PhaseClock(result.phases_s, device)
     stage = "materialize"
@@ -153,9 +157,15 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
         with clock("impl"):
             impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
         result.plan = impl_snap.record or {}
+        stage, pattern = f"{impl.name} activation pattern", None
+        if sign_split.applies(case):
+            with clock("sign_split"):
+                pattern = observe_pattern(case, impl, tensors, provider, options, policy)
         stage = f"{against.name} runs"
         with clock("reference"):
-            truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+            truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern)
+        if pattern is None and sign_split.applies(case):
+            note = "; ".join(filter(None, (note, "no sign-split (activation pattern over sign_split.max_elements)")))
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
@@ -172,6 +182,10 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
     except Exception as exc:  # noqa: BLE001 — a comparison crash is the harness's error, reported as such
         return finish("error", "error", f"comparison: {one_line(exc)} [{_where(exc)}]")
     result.tensors, result.first_failure = tensors_out, first
+    if pattern is not None:
+        record = truth.record or {}
+        result.sign_split = {"adopted": record.get("relu_adopted", 0), "rejected": record.get("relu_rejected", 0),
+                             "window_usage": record.get("relu_window_usage", 0.0)}
     result.topk = report.summary() if report is not None else None
     ran = {p for value in result.plan.values() for p in str(value).split("+")}
     if options.require and outcome == "pass" and options.require not in ran:
@@ -183,19 +197,38 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
     return finish(outcome, decided_by, message)
 
 
-def reference_runs(case: Case, against: Implementation, tensors, split: Optional[torch.Tensor]) -> tuple:
-    """``(truth, noise, note)`` in split mode. A selection the reference cannot even consume (malformed ids, which
-    the structure rule reports) falls back to the reference's own selection, so the other tensors are still
-    compared; ``note`` then says so (else it is empty)."""
+def observe_pattern(case: Case, impl: Implementation, tensors, provider: str, options: RunOptions,
+                    policy: policy_mod.Policy) -> Optional[sign_split.Pattern]:
+    """The implementation's indexer activation pattern for sign-split, or None where it does not apply."""
+    if not sign_split.applies(case):
+        return None
+    settings = sign_split.Settings(**policy.section("sign_split"))
+    active = sign_split.observe(impl.api, case, tensors, impl.context(provider, options.require), settings)
+    return None if active is None else sign_split.Pattern(active, sign_split.window(case, settings))
+
+
+def reference_runs(case: Case, against: Implementation, tensors, split: Optional[torch.Tensor],
+                   pattern: Optional[sign_split.Pattern] = None) -> tuple:
+    """``(truth, noise, note)`` in split mode (and sign-split with ``pattern``). A selection the reference cannot
+    even consume (malformed ids, which the structure rule reports) falls back to the reference's own selection, so
+    the other tensors are still compared; ``note`` then says so (else it is empty)."""
     note = ""
+    context = contextlib.nullcontext
+    if pattern is not None:
+        context = against.activation_context(pattern.active, pattern.window)
+        if context is None:
+            context, note = contextlib.nullcontext, f"{against.name} has no sign-split hook"
     try:
-        truth = run(against.api, case, tensors, upcast=True, topk_indices=split)
+        truth = run(against.api, case, tensors, upcast=True, topk_indices=split, context=context)
     except Exception as exc:  # noqa: BLE001
         if split is None:
             raise
-        split, note = None, f"split mode impossible ({one_line(exc)}); compared with the reference's own selection"
-        truth = run(against.api, case, tensors, upcast=True)
-    noise = truth if case.dtype == "float64" else run(against.api, case, tensors, topk_indices=split)
+        split = None
+        note = "; ".join(filter(None, (note, f"split mode impossible ({one_line(exc)}); compared with the "
+                                             f"reference's own selection")))
+        truth = run(against.api, case, tensors, upcast=True, context=context)
+    noise = truth if case.dtype == "float64" else run(against.api, case, tensors, topk_indices=split,
+                                                      context=context)
     return truth, noise, note
 
 
@@ -204,7 +237,8 @@ def snapshots(case: Case, impl: Implementation, against: Implementation, options
     provider = impl.resolve_provider(options.provider)
     tensors = materialize(case, options.torch_device())
     impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
-    truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+    pattern = observe_pattern(case, impl, tensors, provider, options, policy_mod.default())
+    truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern)
     return tensors, impl_snap, truth, noise
 
 

@@ -5,7 +5,10 @@ An implementation is an object (usually a module) exposing the public API of ARC
 
 * ``use_backend(provider=..., require=(...))`` — a context manager selecting the kernel provider(s); the object it
   yields has ``record``: ``{stage: provider}`` of what actually ran (the ``plan`` field of a result);
-* ``available_providers()`` — ``{name: None if usable here else the reason}`` (or a list of usable names).
+* ``available_providers()`` — ``{name: None if usable here else the reason}`` (or a list of usable names);
+* ``use_activation_pattern(active, window)`` — a context manager differentiating the indexer's ReLU at another
+  implementation's activation pattern (sign-split, :mod:`parity.sign_split`; the reference has it), yielding an
+  object with ``record``.
 
 Without ``use_backend`` the provider is ignored (the reference has none; its provider reads ``"none"``).
 """
@@ -72,6 +75,12 @@ class Implementation:
             return contextlib.nullcontext
         required = (require,) if require else ()
         return lambda: fn(provider=provider, require=required)
+
+
+    def activation_context(self, active, window: float) -> Optional[Callable[[], ContextManager]]:
+        """Sign-split context factory for ``active``, or None if this implementation has no such hook."""
+        fn = self._hook("use_activation_pattern")
+        return None if fn is None else (lambda: fn(active, window))
 
 
 def policy_provider(record: Optional[dict], requested: str) -> str:

@@ -9,7 +9,9 @@ Layout::
      "metamorphic": {DTYPE: {"ulps": 64}},     # the ``ulp`` rule of the oracles (parity/metamorphic.py)
      "kernels": {"rules": {RULE: {"mixed": 1e-4, "rel_l2": ..., "cosine": ..., "exact": true, "measured": {...}}},
                  "capture": {"rel_l2": 1e-3, "measured": {...}},        # kernel-level checks (parity/kernel_rules.py)
-                 "graph_replay": {"rel_l2": 2e-2, "measured": {...}}}}  # the graph-replay oracle
+                 "graph_replay": {"rel_l2": 2e-2, "measured": {...}}},  # the graph-replay oracle
+     "sign_split": {"window_ulps": 8,          # the indexer ReLU's ambiguity window (parity/sign_split.py)
+                    "max_elements": 268435456}}  # largest activation pattern observed (rows × heads × ids)
 
 ``CLASS`` is a tensor class (``out lse index_scores topk loss grad_input grad_param grad_indexer``), ``DTYPE`` the case dtype,
 ``PROVIDER`` the fused kernel provider (``torch``, ``cudnn``, ...). An ``ENTRY`` holds the thresholds of the layered
@@ -24,6 +26,8 @@ verdict (:mod:`parity.verdict`) and the measured worst case each was set from::
      "rmse_ratio": 3.0,          # rule 4: rmse(a - r) / (rmse(p - r) + floor) <= this
      "scale_ratio": 3.0,         # rule 4: |‖a‖/‖r‖ - 1| / (same of p + scale_floor · eps) <= this
      "scale_floor": 0.25,        # optional (default 0.25): systematic bias tolerated for free, in eps
+     "similarity_cap": 0.1,      # optional (default 0.1): rule 3 never allows 1 - cosine / 1 - tensor_sim above
+                                 #   this, however poor the noise run (the similarity floor's fixed minimum)
      "measured": {"noise_floor_ratio": 1.2, "cosine_eps": 2e-5, ..., "from": "smoke fused@<run> (47 cases), ..."}}
 
 ``dsv4-parity calibrate`` refreshes the ``measured`` blocks from result files.
@@ -41,7 +45,7 @@ from cases.errors import CaseError
 POLICY_PATH = Path(__file__).with_name("policy.json")
 TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer")
 THRESHOLD_KEYS = ("noise_floor_ratio", "ulps", "cosine_eps", "tensor_sim_eps", "rmse_ratio", "scale_ratio")
-OPTIONAL_KEYS = {"scalar_ulps": 0.0, "scale_floor": 0.25, "atol": 0.0}
+OPTIONAL_KEYS = {"scalar_ulps": 0.0, "scale_floor": 0.25, "atol": 0.0, "similarity_cap": 0.1}
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Tolerance:
     scalar_ulps: float = 0.0
     scale_floor: float = 0.25
     atol: float = 0.0
+    similarity_cap: float = 0.1
     measured: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""  # "class/dtype/provider" of the entry used
 
@@ -164,8 +169,15 @@ def validate(data: Any, where: str = "policy") -> None:
                     value = entry.get(key) if isinstance(entry, Mapping) else None
                     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                         raise CaseError(f"{at}.{key}", f"must be a non-negative number, got {value!r}")
+                if entry.get("similarity_cap", 0.0) >= 1:
+                    raise CaseError(f"{at}.similarity_cap", "must be below 1 (else a negative cosine can pass)")
                 if not isinstance(entry.get("measured"), Mapping):
                     raise CaseError(f"{at}.measured", "every entry records the measured worst case it was set from")
+    for key, value in (data.get("sign_split") or {}).items():
+        if key not in ("window_ulps", "max_elements"):
+            raise CaseError(f"{where}.sign_split.{key}", "unknown key (known: window_ulps, max_elements)")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise CaseError(f"{where}.sign_split.{key}", f"must be a non-negative number, got {value!r}")
     for cls in TENSOR_CLASSES:
         if cls not in data["classes"]:
             raise CaseError(f"{where}.classes.{cls}", "missing tensor class")

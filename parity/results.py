@@ -51,6 +51,7 @@ class CaseResult:
     plan: dict = field(default_factory=dict)
     topk: Optional[dict] = None
     tensors: list = field(default_factory=list)  # verdict.TensorResult
+    sign_split: Optional[dict] = None  # {adopted, rejected, window_usage} of the truth run (parity/sign_split.py)
 
     @property
     def case_id(self) -> str:
@@ -62,7 +63,7 @@ class CaseResult:
                 "duration_s": round(self.duration_s, 4),
                 "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()},
                 "repro": self.repro, "features": self.features,
-                "plan": self.plan, "topk": self.topk}
+                "plan": self.plan, "topk": self.topk, **({"sign_split": self.sign_split} if self.sign_split else {})}
 
     def rows(self) -> list[dict]:
         out = [self.case_row()]
@@ -98,7 +99,7 @@ class CaseResult:
                    first_failure=head["first_failure"], message=head["message"], duration_s=head["duration_s"],
                    phases_s=head.get("phases_s") or {}, repro=head["repro"], features=head["features"],
                    plan=head["plan"], topk=head["topk"],
-                   tensors=list(tensors.values()))
+                   tensors=list(tensors.values()), sign_split=head.get("sign_split"))
 
 
 def dumps(row: dict) -> str:

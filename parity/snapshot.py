@@ -32,7 +32,8 @@ def tensor_class(name: str) -> str:
 
     ``grad_indexer`` holds the gradients of the indexer's own parameters (``core_attention.indexer.*``): they come only
     from the KL loss through ``ReLU(qI·kI)``, whose derivative jumps where bf16 rounding flips the sign of a product
-    near 0, so their bf16 tolerances are wider than those of every other parameter (see ``parity/policy.json``).
+    near 0; the engine removes those flips by sign-split (:mod:`parity.sign_split`), and the class records its own
+    measured worst cases in ``parity/policy.json``.
     """
     if name == "topk_indices":
         return "topk"

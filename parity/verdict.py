@@ -6,9 +6,10 @@ Rules, evaluated in this order; a tensor fails at the first rule it breaks, and 
 2. ``noise_floor`` ``max|a - r| / (max|p - r| + ulp floor + atol)`` ≤ factor (FlashAttention's rule; tensors of
                    at most ``scalar_numel`` elements, e.g. the sink gradient and the loss, get FA4's per-element
                    ULP allowance on top);
-3. ``similarity``  ``1 - cosine`` and ``1 - tensor_sim`` at most ``max(eps, f² · (1 - sim of the noise run))``
-                   (Megatron's backstop; ``f`` is rule 2's factor, squared because ``1 - sim`` grows with the
-                   square of the error, so tiny bf16 cases whose own reference cannot reach ``eps`` stay fair);
+3. ``similarity``  ``1 - cosine`` and ``1 - tensor_sim`` at most ``min(cap, max(eps, f² · (1 - sim of the noise
+                   run)))`` (Megatron's backstop; ``f`` is rule 2's factor, squared because ``1 - sim`` grows with the
+                   square of the error, so tiny bf16 cases whose own reference cannot reach ``eps`` stay fair; the
+                   policy's ``similarity_cap`` keeps the floor from ever going vacuous);
 4. ``aggregate``   RMSE and norm-scale error relative to the same-dtype reference's (dynamo's RMSE rule, plus a
                    first-order detector of a systematic scale bias that the max-abs rule can miss in bf16; not
                    for tensors under the per-element rule, whose "scale" is just their value).
@@ -117,7 +118,8 @@ def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torc
             _, attr, kind = GATES[metric]
             limit = getattr(tol, attr)
             if kind == "floor":
-                limit = max(limit, tol.noise_floor_ratio ** 2 * (1.0 - values[f"ref_{metric}"]))
+                adaptive = tol.noise_floor_ratio ** 2 * (1.0 - values[f"ref_{metric}"])
+                limit = min(tol.similarity_cap, max(limit, adaptive))
             threshold = 1.0 - limit if kind == "floor" else limit
             ok = value >= threshold if kind == "floor" else value <= threshold
             rows.append(MetricRow(metric, value, threshold, bool(ok) and not math.isnan(value)))

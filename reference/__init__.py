@@ -12,11 +12,14 @@ Public API (identical names and signatures in ``fused``; see ARCHITECTURE.md)::
                    topk_indices=None)
     compressor(hidden, params, prefix, config, packed_seq_params=None, *, rotate=False)
     indexer(hidden, q_latent, params, config, packed_seq_params=None)
+
+Beyond it, ``use_activation_pattern(active, window)`` (parity's sign-split hook, :mod:`reference.activation`).
 """
 
+from .activation import use_activation_pattern
 from .compressor import compressor
 from .core_attention import core_attention
 from .indexer import indexer
 from .layer import attention_layer
 
-__all__ = ["attention_layer", "compressor", "core_attention", "indexer"]
+__all__ = ["attention_layer", "compressor", "core_attention", "indexer"]  # the mirrored API; not the sign-split hook

@@ -18,7 +18,7 @@ from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 from cases.outputs import AttentionOutput
 
-from . import thd
+from . import activation, thd
 from .compressor import ATTENTION_PREFIX, INDEXER_PREFIX, compress_with_params, compressor
 from .indexer import indexer_sequence, pad_columns
 from .indexer_loss import indexer_kl_rows, reduce_loss
@@ -43,10 +43,12 @@ class SequenceResult:
 def core_sequence(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q_latent: torch.Tensor,
                   params: Mapping[str, torch.Tensor], config: ModelConfig, *, compressed: Optional[torch.Tensor],
                   index_keys: Optional[torch.Tensor], training: bool,
-                  topk_indices: Optional[torch.Tensor]) -> SequenceResult:
+                  topk_indices: Optional[torch.Tensor],
+                  pattern: Optional[activation.ActivationPattern] = None) -> SequenceResult:
     """Core attention of ``B`` sequences of ``S`` tokens: ``query [B,S,n,D]``, ``kv [B,S,D]``, ``hidden [B,S,Hd]``,
     ``q_latent [B,S,Rq]``; ``compressed [B,n_comp,D]`` / ``index_keys [B,n_comp,dI]`` the compressors' entries
-    (r > 1 / indexer layers); ``topk_indices [B,S,K]`` local ids overriding the indexer's selection (split mode)."""
+    (r > 1 / indexer layers); ``topk_indices [B,S,K]`` local ids overriding the indexer's selection (split mode);
+    ``pattern`` the indexer ReLU's derivative pattern (sign-split, :mod:`reference.activation`)."""
     c = config
     B, S, n, _ = query.shape
     sink = get_param(params, "core_attention.attn_sink", (n,))
@@ -56,7 +58,7 @@ def core_sequence(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q
         n_comp = compressed.shape[1]
         kv_full = torch.cat((kv, compressed), dim=1)
         if c.has_indexer:
-            scores, own_topk = indexer_sequence(hidden, q_latent, params, c, index_keys)
+            scores, own_topk = indexer_sequence(hidden, q_latent, params, c, index_keys, pattern)
             used_topk = own_topk if topk_indices is None else topk_indices
             compressed_ids = selected_compressed_indices(used_topk, S, 4, n_comp)
         else:
@@ -111,7 +113,7 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
     if config.has_indexer:
         index_keys = compress_with_params(hidden.detach(), params, INDEXER_PREFIX, config, rotate=True)
     res = core_sequence(query, kv, hidden, q_latent, params, config, compressed=compressed, index_keys=index_keys,
-                        training=training, topk_indices=topk_indices)
+                        training=training, topk_indices=topk_indices, pattern=activation.current_pattern())
     loss = None
     if res.kl is not None:
         loss = reduce_loss(res.kl.sum(), res.kl.numel(), config)
@@ -143,11 +145,13 @@ def _core_thd(query, kv, hidden, q_latent, params, config: ModelConfig, psp: Pac
 
     outs, lses, kl_sums, topks, scores = [], [], [], [], []
     width = max(psp.max_seqlen_q, max((s.length for s in segs), default=0)) // 4
+    pattern = activation.current_pattern() if c.has_indexer else None
     for b, s in enumerate(segs):
         res = core_sequence(query[s.rows][None], kv[s.rows][None], hidden[s.rows][None], q_latent[s.rows][None],
                             params, c, compressed=one(compressed[b]), index_keys=one(index_keys[b]),
                             training=training,
-                            topk_indices=None if topk_indices is None else topk_indices[s.rows][None])
+                            topk_indices=None if topk_indices is None else topk_indices[s.rows][None],
+                            pattern=None if pattern is None else pattern.rows(s.rows, index_keys[b].shape[0]))
         outs.append(res.out[0])
         lses.append(res.lse[0])
         if res.kl is not None:

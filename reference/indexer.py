@@ -22,7 +22,7 @@ from cases.config import ModelConfig
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 
-from . import thd
+from . import activation, thd
 from .compressor import INDEXER_PREFIX, compress_with_params
 from .hadamard import rotate_activation
 from .numerics import compute_dtype, per_block, row_chunks
@@ -50,30 +50,38 @@ def indexer_weights(hidden: torch.Tensor, w_proj: torch.Tensor) -> torch.Tensor:
     return (hidden @ w_proj.t()) * w_proj.shape[0] ** -0.5
 
 
-def score_rows(q: torch.Tensor, kf: torch.Tensor, w: torch.Tensor, scale: float, visible: torch.Tensor
-               ) -> torch.Tensor:
+def score_rows(q: torch.Tensor, kf: torch.Tensor, w: torch.Tensor, scale: float, visible: torch.Tensor,
+               active: Optional[torch.Tensor] = None,
+               pattern: Optional[activation.ActivationPattern] = None) -> torch.Tensor:
     """One row block of :func:`index_scores`: ``q [B, s, nI, dI]``, ``kf [B, 1, n_comp, dI]`` (compute dtype),
-    ``w [B, s, nI]``, ``visible [s]`` visible entry counts -> ``I [B, s, n_comp]``."""
+    ``w [B, s, nI]``, ``visible [s]`` visible entry counts -> ``I [B, s, n_comp]``. ``active [B, s, nI, n_comp]``:
+    the ReLU's derivative pattern of sign-split (:mod:`reference.activation`; ``pattern`` holds its window)."""
     n_comp = kf.shape[2]
-    dots = q.to(kf.dtype) @ kf.transpose(-1, -2)  # [B, s, nI, n_comp]
+    qf = q.to(kf.dtype)
+    dots = qf @ kf.transpose(-1, -2)  # [B, s, nI, n_comp]
     head_weights = (w.to(kf.dtype) * scale).unsqueeze(-1)
-    scores = (torch.relu(dots) * head_weights).sum(dim=2)
     valid = torch.arange(n_comp, device=q.device) < visible.unsqueeze(-1)
+    relu = activation.relu(dots, qf, kf, active, pattern.window if pattern else 0.0,
+                           pattern.record if pattern else None, counted=valid.unsqueeze(1))
+    scores = (relu * head_weights).sum(dim=2)
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float, ratio: int = 4) -> torch.Tensor:
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float, ratio: int = 4,
+                 pattern: Optional[activation.ActivationPattern] = None) -> torch.Tensor:
     """``I [B, S, n_comp]`` (float32 / float64) with ``-inf`` on causally invalid entries.
 
     ``q [B, S, nI, dI]``, ``k [B, n_comp, dI]``, ``w [B, S, nI]``; ``scale = sigmaI``. Computed over row blocks
     (:func:`numerics.per_block`: the graph keeps no ``ReLU(dots) [B, s, nI, n_comp]``, it is recomputed in backward).
+    ``pattern``: sign-split, ``active [B, S, nI, n_comp]`` (:mod:`reference.activation`).
     """
     B, S, _, _ = q.shape
     n_comp = k.shape[1]
     work = compute_dtype(q.dtype)
     kf = k.to(work).unsqueeze(1)  # [B, 1, n_comp, dI]
     visible = visible_compressed_count(S, ratio, n_comp, q.device)
-    blocks = [per_block(score_rows, q[:, rows], kf, w[:, rows], scale, visible[rows]) for rows in row_chunks(S)]
+    blocks = [per_block(score_rows, q[:, rows], kf, w[:, rows], scale, visible[rows],
+                        None if pattern is None else pattern.active[:, rows], pattern) for rows in row_chunks(S)]
     if not blocks:
         return q.new_zeros((B, 0, n_comp), dtype=work)
     return torch.cat(blocks, dim=1)
@@ -96,11 +104,12 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def indexer_sequence(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, torch.Tensor],
-                     config: ModelConfig, index_keys: Optional[torch.Tensor] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     config: ModelConfig, index_keys: Optional[torch.Tensor] = None,
+                     pattern: Optional[activation.ActivationPattern] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(I [B, S, n_comp], topk [B, S, K])`` for BSHD sequences. Inputs are detached here (spec §5.2).
 
     ``index_keys``: the indexer compressor's entries ``[B, n_comp, dI]`` if already computed, else computed here.
+    ``pattern``: sign-split (:mod:`reference.activation`), ``active [B, S, nI, n_comp]``.
     """
     c = config
     nI, dI = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
@@ -111,7 +120,7 @@ def indexer_sequence(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mappi
         index_keys = compress_with_params(x, params, INDEXER_PREFIX, c, rotate=True)
     w = indexer_weights(x, get_param(params, "core_attention.indexer.linear_weights_proj.weight",
                                      (nI, c.hidden_size)))
-    scores = index_scores(q, index_keys, w, c.indexer_softmax_scale, ratio=4)
+    scores = index_scores(q, index_keys, w, c.indexer_softmax_scale, ratio=4, pattern=pattern)
     return scores, select_topk(scores, c.dsa_indexer_topk)
 
 

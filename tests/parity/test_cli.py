@@ -196,5 +196,5 @@ def test_case_rows_time_the_phases(tmp_path):
     main(["run", "--suite", "smoke", *ids(a), "--out", str(tmp_path / "r"), "--quiet"])
     case = [r for r in rows(tmp_path / "r") if r["type"] == "case"][0]
     phases = case["phases_s"]
-    assert set(phases) == {"materialize", "impl", "reference", "compare"}
+    assert set(phases) == {"materialize", "impl", "sign_split", "reference", "compare"}  # sign-split: bf16 + loss
     assert all(v > 0 for v in phases.values()) and sum(phases.values()) <= case["duration_s"]

@@ -1,0 +1,87 @@
+"""Sign-split: the implementation's indexer activation pattern, handed to the reference runs (spec §3, §5.3).
+
+The indexer gradients come only through ``ReLU(qI·kI)``. Where bf16 rounding puts a product within its rounding
+error of 0, the sign an implementation sees is a coin toss and the derivative jumps there: one flipped product
+moves a gradient by a whole term. Split mode already hands the reference the implementation's top-k; sign-split
+hands it the implementation's ReLU pattern too, so only arithmetic error remains to be judged.
+
+The pattern is *observed*, through the implementation's public API only: for each indexer head ``h``, one
+eval-mode forward of the case's own entry point (``attention_layer`` / ``core_attention``, ``training=False``, in
+the implementation's provider context) with every row of ``core_attention.indexer.linear_weights_proj.weight``
+but row ``h`` set to 0. Its ``index_scores`` are then ``wI[t, h] · σI · ReLU(qI[t, h]·kI[s])``, computed from the
+implementation's own ``qI`` / ``kI`` (its own query latent in layer scope), so ``score != 0`` is exactly its
+``qI[t, h]·kI[s] > 0`` wherever ``wI[t, h] != 0`` (where it is 0 the product sends no gradient anyway).
+
+The reference adopts the pattern only where its own product is within ``window_ulps`` × the case dtype's epsilon
+(× the dot's rounding scale) of 0 (:mod:`reference.activation`), so a wrong pattern cannot hide a real error.
+float64 cases (no rounding to speak of), eval cases and cases without an indexer loss skip it; so do cases whose
+pattern (rows × heads × compressed ids booleans) exceeds ``max_elements``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Optional
+
+import torch
+
+from cases.case import Case
+from cases.tensors import CaseTensors
+
+WEIGHTS = "core_attention.indexer.linear_weights_proj.weight"
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """An observed pattern and the reference's ambiguity window for it (case-dtype eps × ``window_ulps``)."""
+
+    active: torch.Tensor
+    window: float
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``window_ulps``: ambiguity half-width in case-dtype epsilons; ``max_elements``: largest pattern probed."""
+
+    window_ulps: float = 8.0
+    max_elements: int = 1 << 28
+
+
+def applies(case: Case) -> bool:
+    """Sign-split runs for training cases of an indexer layer with a loss, in float32 / bf16."""
+    c = case.config
+    return (case.training and c.has_indexer and c.dsa_indexer_loss_coeff > 0 and case.dtype != "float64")
+
+
+def window(case: Case, settings: Settings) -> float:
+    return settings.window_ulps * torch.finfo(case.torch_dtype).eps
+
+
+def _eval_scores(api, case: Case, tensors: CaseTensors, params: dict) -> torch.Tensor:
+    inputs, psp = tensors.inputs, tensors.packed_seq_params
+    if case.scope == "layer":
+        out = api.attention_layer(inputs["hidden"], params, case.config, psp, training=False)
+    else:
+        out = api.core_attention(inputs["query"], inputs["kv"], inputs["hidden"], inputs["q_latent"], params,
+                                 case.config, psp, training=False)
+    return out.index_scores
+
+
+def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], ContextManager],
+            settings: Settings = Settings()) -> Optional[torch.Tensor]:
+    """The implementation's ``qI·kI > 0`` as bool ``[B, S, nI, n_comp]`` (BSHD) / ``[T, nI, width]`` (THD), on the
+    tensors' device; ``None`` if the pattern would exceed ``settings.max_elements``."""
+    heads = case.config.dsa_indexer_n_heads
+    weights = tensors.params[WEIGHTS]
+    per_head = []
+    with torch.no_grad(), context():
+        for h in range(heads):
+            isolated = torch.zeros_like(weights)
+            isolated[h] = weights[h]
+            params = dict(tensors.params)
+            params[WEIGHTS] = isolated
+            scores = _eval_scores(api, case, tensors, params)
+            if not per_head and scores.numel() * heads > settings.max_elements:
+                return None
+            per_head.append(torch.isfinite(scores) & (scores != 0))
+    return torch.stack(per_head, dim=-2)

@@ -1,0 +1,110 @@
+"""Sign-split: the indexer's ``ReLU(qI·kI)`` differentiated at a given activation pattern (parity's split mode).
+
+``ReLU``'s derivative jumps at 0. A bf16 implementation computes ``qI·kI`` from rounded ``qI``/``kI``, so for the
+products within its rounding error of 0 the *sign* it sees is a coin toss, and each flipped product moves an indexer
+gradient by a whole term ``σI·w·g·k`` (or ``·q``). To compare only arithmetic, parity runs the reference with the
+implementation's pattern (``active [rows, nI, n_comp]``: ``qI·kI > 0`` as the implementation saw it), the way split
+mode hands it the implementation's top-k.
+
+The pattern is only *adopted where the sign is ambiguous*: where the reference's own product satisfies
+``|qI·kI| <= window · sqrt(Σ_i qI_i² kI_i²)`` (``window`` = ULPs × the case dtype's epsilon; the square root is the
+scale of the rounding error of a dot product whose terms each carry a relative error). Elsewhere the reference keeps
+its own sign, so a wrong pattern cannot move the reference by more than a few near-zero products. The forward value
+stays ``ReLU(qI·kI)`` of the reference: only the derivative takes the pattern.
+
+Usage (outside the public API, whose signatures mirror ``fused``)::
+
+    with use_activation_pattern(active, window) as handle:
+        out = reference.attention_layer(...)      # or core_attention
+        ... backward ...
+    handle.record   # {"relu_adopted": products whose derivative took the pattern, "relu_rejected": disagreements
+                    #  outside the window (kept the reference's own sign), "relu_window_usage": the largest
+                    #  |qI·kI| / (window · scale) among the disagreements}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+
+@dataclass
+class ActivationPattern:
+    """``active``: bool ``[B, S, nI, n_comp]`` (BSHD) or ``[T, nI, width]`` (THD, by local compressed id), the
+    implementation's ``qI·kI > 0``; ``window``: the ambiguity half-width in units of ``sqrt(Σ qI_i² kI_i²)``."""
+
+    active: torch.Tensor
+    window: float
+    record: dict = field(default_factory=lambda: {"relu_adopted": 0, "relu_rejected": 0, "relu_window_usage": 0.0})
+
+    def rows(self, rows: slice, n_comp: int) -> "ActivationPattern":
+        """The pattern of one THD segment as a B=1 sequence ``[1, s, nI, n_comp]``, sharing this record."""
+        return ActivationPattern(self.active[rows][None, ..., :n_comp], self.window, self.record)
+
+
+_PATTERN: contextvars.ContextVar[Optional[ActivationPattern]] = contextvars.ContextVar("relu_pattern", default=None)
+
+
+@contextlib.contextmanager
+def use_activation_pattern(active: torch.Tensor, window: float) -> Iterator[ActivationPattern]:
+    """Differentiate the indexer's ReLU at ``active`` (where ambiguous) inside the block; yields the pattern,
+    whose ``record`` counts what was adopted."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    pattern = ActivationPattern(active.detach().to(torch.bool), float(window))
+    token = _PATTERN.set(pattern)
+    try:
+        yield pattern
+    finally:
+        _PATTERN.reset(token)
+
+
+def current_pattern() -> Optional[ActivationPattern]:
+    return _PATTERN.get()
+
+
+def _recomputing() -> bool:
+    """True while autograd's backward runs (``numerics.per_block`` recomputes the block then: count once)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class _ReluAtSlope(torch.autograd.Function):
+    """``ReLU(x)`` forward, ``grad · slope`` backward (``slope`` a 0/1 tensor like ``x``)."""
+
+    @staticmethod
+    def forward(ctx, x, slope):
+        ctx.save_for_backward(slope)
+        return torch.relu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slope,) = ctx.saved_tensors
+        return grad * slope, None
+
+
+def relu(dots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, active: Optional[torch.Tensor], window: float,
+         record: Optional[dict] = None, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``ReLU(dots)`` with ``dots = q @ k^T`` (``q [B, s, nI, dI]``, ``k [B, 1, n_comp, dI]``); with ``active``
+    (bool like ``dots``) its derivative takes ``active`` where ``|dots|`` is within the window (module docstring).
+    ``record`` counts the differing products where ``counted`` (bool, broadcast like ``dots``: the causally valid
+    ones, whose score is used) holds."""
+    if active is None:
+        return torch.relu(dots)
+    with torch.no_grad():
+        own = dots > 0
+        scale = torch.sqrt(q.square().to(k.dtype) @ k.square().transpose(-1, -2))
+        ambiguous = dots.abs() <= window * scale
+        differ = (active != own) if counted is None else (active != own) & counted
+        if record is not None and not _recomputing():
+            record["relu_adopted"] += int((differ & ambiguous).sum())
+            record["relu_rejected"] += int((differ & ~ambiguous).sum())
+            if bool(differ.any()):  # how far from 0 the farthest disagreement is, in windows
+                usage = (dots.abs() / (window * scale).clamp_min(torch.finfo(scale.dtype).tiny))[differ]
+                record["relu_window_usage"] = max(record["relu_window_usage"], float(usage.max()))
+        slope = torch.where(ambiguous, active, own).to(dots.dtype)
+    return _ReluAtSlope.apply(dots, slope)
