@@ -31,7 +31,8 @@ import contextvars
 import importlib
 from typing import Any, Iterator, Mapping, Optional, Union
 
-from .kernels.base import STAGES, KernelSet
+from .kernels import contracts
+from .kernels.base import STAGES, KernelSet, bind_arguments
 
 #: Provider registry, in "auto" priority order: name -> "module:Class" (or a KernelSet subclass).
 PROVIDERS: dict[str, Union[str, type]] = {
@@ -144,9 +145,9 @@ class Plan:
     def _auto(self) -> list[KernelSet]:
         return [inst for inst in (load_provider(n)[0] for n in PROVIDERS) if inst is not None]
 
-    def select(self, stage: str, args: tuple = (), kwargs: Optional[dict] = None) -> KernelSet:
-        """The provider that runs this call of ``stage`` (recorded)."""
-        kwargs = kwargs or {}
+    def select(self, stage: str, arguments: Optional[dict] = None) -> KernelSet:
+        """The provider that runs this call of ``stage`` (recorded); ``arguments``: the call's, by name."""
+        arguments = arguments or {}
         forced = [n for n in self.require if stage in load_provider(n)[0].stages] if self.require else []
         choice = self._choice(stage)
         if not forced and choice != "auto":
@@ -157,7 +158,7 @@ class Plan:
                 forced = [choice]
         if forced:
             inst = load_provider(forced[0])[0]
-            reason = inst.check_support(stage, *args, **kwargs)
+            reason = inst.check_support(stage, **arguments)
             if reason is not None:
                 raise StageUnsupported(stage, inst.name, reason)
             return self._note(stage, inst)
@@ -165,7 +166,7 @@ class Plan:
         for inst in self._auto():
             if stage not in inst.stages:
                 continue
-            reason = inst.check_support(stage, *args, **kwargs)
+            reason = inst.check_support(stage, **arguments)
             if reason is None:
                 return self._note(stage, inst)
             declined.append(f"{inst.name}: {reason}")
@@ -224,15 +225,19 @@ def executed() -> dict[str, str]:
 
 
 class _Kernels:
-    """``kernels.<stage>(...)``: the composition's single entry point to a kernel, routed through the plan."""
+    """``kernels.<stage>(...)``: the composition's single entry point to a kernel. Each call: its arguments are
+    bound by name, the stage's argument contract is enforced (:func:`fused.kernels.contracts.check`, before and
+    whatever the provider), the plan selects a provider (its ``check_support``), the provider executes it."""
 
     def __getattr__(self, stage: str) -> Any:
         if stage not in STAGES:
             raise AttributeError(f"no kernel stage {stage!r}")
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            provider = current_plan().select(stage, args, kwargs)
-            return getattr(provider, stage)(*args, **kwargs)
+            arguments = bind_arguments(stage, args, kwargs)
+            contracts.check(stage, arguments)
+            provider = current_plan().select(stage, arguments)
+            return provider.execute(stage, arguments)
 
         call.__name__ = stage
         return call

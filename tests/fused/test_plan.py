@@ -22,10 +22,8 @@ class CountingKernels(TorchKernels):
     name = "counting"
     calls: dict = {}
 
-    def check_support(self, stage, *args, **kwargs):
-        if stage == "sparse_attn_fwd" and args and args[0].shape[1] > 2:
-            return "this test provider only takes 2 heads"
-        return super().check_support(stage, *args, **kwargs)
+    def support_sparse_attn_fwd(self, arguments):
+        return "this test provider only takes 2 heads" if arguments["q"].shape[1] > 2 else None
 
     def __getattribute__(self, item):
         if item in TorchKernels.stages:
