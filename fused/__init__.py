@@ -23,6 +23,9 @@ usable names on a CPU machine are ``["torch"]``), and, under the GPU tooling's n
 ``executed()`` (``{stage: provider}`` of the last block). ``fused.plan`` stays the plan *module*; the case pre-check
 ``plan(case, provider)`` is ``fused.providers.plan``.
 
+Observation: ``with fused.observe_kernels(observer): ...`` runs every kernel call inside
+``observer(stage, provider_name)`` (a context manager) — timers, counters and profiler ranges attach there.
+
 Modules: ``kernels`` (interface, contracts, torch provider), ``plan`` (selection), ``ops`` / ``compressor`` /
 ``indexer`` / ``layer`` (eager parts), ``index_maps`` and ``thd`` (index and layout plumbing), ``sparse_attention``
 (Paths A/C), ``indexer_loss`` (Path B), ``core_attention`` (dispatch), ``mutants`` (planted-bug switches).
@@ -33,9 +36,9 @@ from .core_attention import compressor, core_attention
 from .indexer import indexer
 from .layer import attention_layer
 from .plan import (BackendError, BackendUnavailable, Plan, StageUnsupported, available_providers, current_plan,
-                   executed, register_provider, use_backend)
+                   executed, observe_kernels, register_provider, use_backend)
 from .providers import use_provider  # noqa: E402 - after the public API, which fused.providers re-exports
 
 __all__ = ["BackendError", "BackendUnavailable", "Plan", "StageUnsupported", "attention_layer", "available_providers",
-           "compressor", "core_attention", "current_plan", "executed", "indexer", "mutants", "register_provider",
-           "use_backend", "use_provider"]
+           "compressor", "core_attention", "current_plan", "executed", "indexer", "mutants", "observe_kernels",
+           "register_provider", "use_backend", "use_provider"]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Union
 
 from .kernels import contracts
 from .kernels.base import STAGES, KernelSet, bind_arguments
@@ -224,6 +224,27 @@ def executed() -> dict[str, str]:
     return dict(_LAST[0].record) if _LAST else {}
 
 
+#: Kernel-call observers of the open :func:`observe_kernels` blocks, process-wide (as :data:`_ACTIVE`: autograd's
+#: device threads run backward kernel calls too), outermost first.
+_OBSERVERS: list[Callable[[str, str], ContextManager]] = []
+
+
+@contextlib.contextmanager
+def observe_kernels(observer: Callable[[str, str], ContextManager]) -> Iterator[None]:
+    """Within the block, every kernel call of the fused path runs inside ``observer(stage, provider_name)``, a
+    context manager the dispatcher enters after it chose the provider and exits when the provider returned (or
+    raised): the one place to time, count, profile or trace kernel calls without touching a provider.
+
+    Example: ``with observe_kernels(lambda stage, provider: torch.profiler.record_function(stage)): step()``.
+    Blocks nest (the innermost observer is entered last, closest to the call); a call that fails its argument
+    contract or finds no provider is not observed. Not thread-local: calls from every thread are observed."""
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+
+
 class _Kernels:
     """``kernels.<stage>(...)``: the composition's single entry point to a kernel. Each call: its arguments are
     bound by name, the stage's argument contract is enforced (:func:`fused.kernels.contracts.check`, before and
@@ -237,7 +258,12 @@ class _Kernels:
             arguments = bind_arguments(stage, args, kwargs)
             contracts.check(stage, arguments)
             provider = current_plan().select(stage, arguments)
-            return provider.execute(stage, arguments)
+            if not _OBSERVERS:
+                return provider.execute(stage, arguments)
+            with contextlib.ExitStack() as observed:
+                for observer in list(_OBSERVERS):
+                    observed.enter_context(observer(stage, provider.name))
+                return provider.execute(stage, arguments)
 
         call.__name__ = stage
         return call
