@@ -31,6 +31,8 @@ import contextvars
 import importlib
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Union
 
+from cases.vocabulary import Unsupported
+
 from .kernels import contracts
 from .kernels.base import STAGES, KernelSet, bind_arguments
 
@@ -52,11 +54,11 @@ class BackendError(RuntimeError):
     """Base class of plan errors."""
 
 
-class BackendUnavailable(BackendError):
+class BackendUnavailable(BackendError, Unsupported):
     """A requested provider cannot be loaded or cannot run on this machine."""
 
 
-class StageUnsupported(BackendError):
+class StageUnsupported(BackendError, Unsupported):
     """A requested provider declined a call (kernel shape support). ``stage``, ``provider``, ``reason``."""
 
     def __init__(self, stage: str, provider: str, reason: str):

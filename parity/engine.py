@@ -11,8 +11,8 @@ For a case of dtype ``d`` (all runs on the same device, from the same materialis
 The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`).
 
 Outcomes: ``pass`` / ``fail`` (numeric or structural), ``error`` (an exception, e.g. a CUDA fault, or a crashed
-worker), ``unsupported`` (the implementation declined the case: ``NotImplementedError`` or an ``*Unsupported*``
-exception, or the case needs a GPU this machine lacks).
+worker), ``unsupported`` (the implementation declined the case: ``cases.vocabulary.Unsupported`` or
+``NotImplementedError``, or the case needs a GPU this machine lacks).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from cases.vocabulary import OUTCOMES
+
 
 def _label(case: dict) -> str:
     config, layout = case.get("config", {}), case.get("layout", {})
@@ -29,7 +31,7 @@ def write_junit(results: Path, target: Path) -> Path:
             rows.append(row)
         elif row.get("type") == "run" and not run:
             run = row
-    counts = {o: sum(r["outcome"] == o for r in rows) for o in ("pass", "fail", "error", "unsupported")}
+    counts = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
     suite = ET.Element("testsuite", name=f"dsv4-parity.{run.get('suite', 'run')}", tests=str(len(rows)),
                        failures=str(counts["fail"]), errors=str(counts["error"]), skipped=str(counts["unsupported"]),
                        time=f"{sum(float(r.get('duration_s') or 0) for r in rows):.3f}")

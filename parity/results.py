@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from cases.case import Case
+from cases.vocabulary import OUTCOMES
 
-OUTCOMES = ("pass", "fail", "error", "unsupported")
 FLOAT_MAX = 1.7976931348623157e308
 
 

@@ -36,8 +36,10 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from cases.vocabulary import TENSOR_CLASSES
+
 from .errors import ReportError
-from .schema import DRIFT_METRICS, TENSOR_CLASSES, dtype_eps
+from .schema import DRIFT_METRICS, dtype_eps
 
 KEY = ["case_id", "tensor"]
 #: Default floors in ulps: element-wise maxima of a correct kernel sit at a few ulps, RMS aggregates below one.
