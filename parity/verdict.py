@@ -32,6 +32,7 @@ from cases.tensors import CaseTensors
 
 from . import metrics as M
 from . import topk as topk_protocol
+from .location import where_worst
 from .policy import Policy, Tolerance
 from .snapshot import Snapshot, is_row_tensor, real_rows, tensor_class
 
@@ -178,6 +179,8 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
         tol = policy.tolerance(cls, case.dtype, provider)
         dtype = case.torch_dtype  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
         verdict, rule, rows, msg = judge_numeric(name, cls, ar, rr, pr, dtype, tol, policy.scalar_numel, nan, inf)
+        if verdict == "fail":
+            msg += where_worst(case, name, a, r, mask if is_row_tensor(name) else None)
         results.append(TensorResult(**base, verdict=verdict, rule=rule, message=msg, metrics=rows))
     return results, report
 
