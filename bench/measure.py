@@ -258,13 +258,6 @@ class MemoryMeter:
         return self._outer.retained if (self.available and self._outer is not None) else None
 
 
-def measure_memory(fn: Callable[[], Any], device: str) -> tuple[Optional[int], Any]:
-    """``(peak bytes above the start, fn's result)`` of one call of ``fn``."""
-    with MemoryMeter(device) as meter:
-        result = fn()
-    return meter.peak, result
-
-
 def is_oom(exc: BaseException) -> bool:
     """An out-of-memory failure (CUDA allocator or the host)."""
     if isinstance(exc, (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError))):

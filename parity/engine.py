@@ -33,7 +33,7 @@ from . import policy as policy_mod
 from . import structure, verdict
 from .impls import Implementation, is_unsupported, policy_provider
 from .results import CaseResult
-from .snapshot import run
+from .snapshot import take_snapshot
 
 
 @dataclass
@@ -151,7 +151,7 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             tensors = materialize(case, device)
         stage = f"{impl.name} run"
         with clock("impl"):
-            impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
+            impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
         result.plan = impl_snap.record or {}
         stage = f"{against.name} runs"
         with clock("reference"):
@@ -189,13 +189,13 @@ def reference_runs(case: Case, against: Implementation, tensors, split: Optional
     compared; ``note`` then says so (else it is empty)."""
     note = ""
     try:
-        truth = run(against.api, case, tensors, upcast=True, topk_indices=split)
+        truth = take_snapshot(against.api, case, tensors, upcast=True, topk_indices=split)
     except Exception as exc:  # noqa: BLE001
         if split is None:
             raise
         split, note = None, f"split mode impossible ({one_line(exc)}); compared with the reference's own selection"
-        truth = run(against.api, case, tensors, upcast=True)
-    noise = truth if case.dtype == "float64" else run(against.api, case, tensors, topk_indices=split)
+        truth = take_snapshot(against.api, case, tensors, upcast=True)
+    noise = truth if case.dtype == "float64" else take_snapshot(against.api, case, tensors, topk_indices=split)
     return truth, noise, note
 
 
@@ -203,7 +203,7 @@ def snapshots(case: Case, impl: Implementation, against: Implementation, options
     """``(tensors, impl, truth, noise)`` snapshots of a case, for tests and interactive digging (raises)."""
     provider = impl.resolve_provider(options.provider)
     tensors = materialize(case, options.torch_device())
-    impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
+    impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
     truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"])
     return tensors, impl_snap, truth, noise
 

@@ -33,12 +33,12 @@ from cases.case import Case
 from cases.layout import BshdLayout, ThdLayout
 from cases.tensors import CaseTensors, materialize
 
-from . import metrics as M
+from . import metrics
 from . import policy as policy_mod
 from .engine import RunOptions, _features, _where, one_line
 from .impls import Implementation, is_unsupported
 from .results import CaseResult
-from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, run, tensor_class
+from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, take_snapshot, tensor_class
 from .verdict import MetricRow, TensorResult
 
 POISON = 1e3
@@ -81,16 +81,16 @@ def compare(name: str, case: Case, a: Optional[torch.Tensor], b: Optional[torch.
                             message="" if ok else f"{name}: {diff} entries differ", metrics=rows)
     same = (a == b) | (torch.isnan(a) & torch.isnan(b))
     n_diff = int((~same).sum())
-    fa, fb = M.as_f64(a), M.as_f64(b)
+    fa, fb = metrics.as_f64(a), metrics.as_f64(b)
     finite = torch.isfinite(fa) & torch.isfinite(fb)
     pattern = int((torch.isfinite(fa) != torch.isfinite(fb)).sum())
-    err = M.max_abs(fa[finite], fb[finite]) if finite.any() else 0.0
+    err = metrics.max_abs(fa[finite], fb[finite]) if finite.any() else 0.0
     scale = float(fb[finite].abs().max()) if finite.any() else 0.0
-    unit = M.eps(case.torch_dtype) * scale  # ULPs of the working precision (an fp32 sink grad of a bf16 case)
+    unit = metrics.eps(case.torch_dtype) * scale  # ULPs of the working precision (an fp32 sink grad of a bf16 case)
     in_ulps = err / unit if unit > 0 else (0.0 if err == 0 else float("inf"))
     rows = [MetricRow("n_diff", float(n_diff), 0.0 if mode == "exact" else None,
                       (n_diff == 0) if mode == "exact" else None),
-            MetricRow("max_abs", err), MetricRow("rel_l2", M.rel_l2(fa[finite], fb[finite])),
+            MetricRow("max_abs", err), MetricRow("rel_l2", metrics.rel_l2(fa[finite], fb[finite])),
             MetricRow("nonfinite_mismatch", float(pattern), 0.0, pattern == 0)]
     if mode == "exact":
         ok = n_diff == 0
@@ -314,7 +314,7 @@ class _Runner:
         self.plan: dict = {}
 
     def __call__(self, case: Case, tensors: CaseTensors) -> Snapshot:
-        snap = run(self.impl.api, case, tensors, context=self.impl.context(self.provider, self.require))
+        snap = take_snapshot(self.impl.api, case, tensors, context=self.impl.context(self.provider, self.require))
         for stage, provider in (snap.record or {}).items():
             self.plan.setdefault(stage, provider)
         return snap

@@ -36,7 +36,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 from cases.case import Case
 
-from . import results as R
+from . import results
 from . import shard
 from .engine import RunOptions, run_case
 from .shard import Slot
@@ -68,15 +68,16 @@ def execute(request: dict) -> list[dict]:
     except Exception as exc:  # noqa: BLE001 — e.g. an implementation that cannot even be imported
         from .engine import one_line
 
-        result = R.CaseResult(case=case, outcome="error", decided_by="error", message=one_line(exc),
-                              repro=options.repro(case),
-                              first_failure={"tensor": None, "rule": "error", "message": one_line(exc)})
+        result = results.CaseResult(case=case, outcome="error", decided_by="error", message=one_line(exc),
+                                    repro=options.repro(case),
+                                    first_failure={"tensor": None, "rule": "error", "message": one_line(exc)})
     return result.rows()
 
 
 def error_rows(case: Case, options: RunOptions, message: str) -> list[dict]:
-    return R.CaseResult(case=case, outcome="error", decided_by="error", message=message, repro=options.repro(case),
-                        first_failure={"tensor": None, "rule": "error", "message": message}).rows()
+    return results.CaseResult(case=case, outcome="error", decided_by="error", message=message,
+                              repro=options.repro(case),
+                              first_failure={"tensor": None, "rule": "error", "message": message}).rows()
 
 
 # ---- output directory ------------------------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     out_dir = config.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.jsonl"
-    existing = R.read_for_resume(path) if config.resume else R.Existing(None, {})
+    existing = results.read_for_resume(path) if config.resume else results.Existing(None, {})
     if not config.resume and path.exists():
         path.unlink()
     todo = [c for c in cases if c.id not in existing.outcomes]
@@ -224,7 +225,7 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
         threads_before = _set_threads(config.threads)
         threads = _set_threads(None)
     started = time.perf_counter()
-    writer = R.ResultsWriter(path)
+    writer = results.ResultsWriter(path)
     if existing.run_row is None:
         opts = config.options
         writer.write([{"type": "run", "run_id": config.run_id, "suite": config.suite, "impl": opts.impl,
@@ -279,7 +280,7 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
             pool.close()
         if threads_before is not None:
             _set_threads(threads_before)
-    counts = R.counts(outcomes.values())
+    counts = results.counts(outcomes.values())
     end = {"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}
     if not_run:
         end.update(stopped="budget", budget_s=config.budget_s, not_run=not_run)

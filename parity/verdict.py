@@ -30,7 +30,7 @@ import torch
 from cases.case import Case
 from cases.tensors import CaseTensors
 
-from . import metrics as M
+from . import metrics
 from . import topk as topk_protocol
 from .location import where_worst
 from .policy import Policy, Tolerance
@@ -107,7 +107,7 @@ def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torc
                   tol: Tolerance, scalar_numel: int, nan: int = 0, inf: int = 0) -> tuple[str, str, list]:
     """Rules 2-4 on restricted float64 tensors; returns ``(verdict, rule, metric rows, failure message)``."""
     per_element = r.numel() <= scalar_numel
-    values = M.compute(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
+    values = metrics.compute(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
                        scale_floor=tol.scale_floor, atol=tol.atol)
     rows = []
     for metric in ("max_abs", "max_rel", "rmse", "rel_l2", "cosine", "tensor_sim", "frac_outside",
@@ -142,7 +142,7 @@ def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torc
 
 
 def _restrict(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    x = M.upcast(x)
+    x = metrics.upcast(x)
     return real_rows(x, mask) if is_row_tensor(name) else x
 
 
@@ -188,15 +188,15 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
 def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results):
     k = case.config.dsa_indexer_topk
     scores = truth["index_scores"]
-    rs = real_rows(M.as_f64(scores), mask)
+    rs = real_rows(metrics.as_f64(scores), mask)
     ps = noise["index_scores"]
     ims = impl["index_scores"]
     knobs = policy.topk(case.dtype)
     score_dtype = torch.float64 if case.dtype == "float64" else torch.float32
     idx = real_rows(a.cpu().to(torch.int64), mask)
     rep = topk_protocol.compare(idx.reshape(idx.shape[0], -1), rs,
-                                None if ims is None else real_rows(M.as_f64(ims), mask),
-                                None if ps is None else real_rows(M.as_f64(ps), mask),
+                                None if ims is None else real_rows(metrics.as_f64(ims), mask),
+                                None if ps is None else real_rows(metrics.as_f64(ps), mask),
                                 k, score_dtype, ulps=float(knobs.get("ulps", 2)),
                                 margin_factor=float(knobs.get("margin_factor", 1.0)))
     rows = [MetricRow("rows", float(rep.rows)), MetricRow("rows_clear", float(rep.clear)),

@@ -143,10 +143,6 @@ class DriftResult:
     def passed(self) -> bool:
         return not self.regressions and self.new_failures.empty
 
-    def pair_ratio(self) -> pd.Series:
-        """Ratio per (case_id, tensor) (MultiIndex), for the views."""
-        return self.pairs.set_index(KEY)["ratio"]
-
 
 def _floor(config: GateConfig, dtypes: pd.Series) -> np.ndarray:
     if config.metric == "noise_floor_ratio":
