@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from cases.case import Case
+from cases.coverage import features
 from cases.tensors import materialize
 
 from . import policy as policy_mod
@@ -77,14 +78,6 @@ def configure_torch() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def _features(case: Case) -> dict:
-    try:
-        from cases.coverage import features
-    except ImportError:  # the coverage module is optional for the engine
-        return {}
-    return features(case)
-
-
 def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -132,7 +125,7 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
     start = time.perf_counter()
     provider = impl.resolve_provider(options.provider)
     result = CaseResult(case=case, outcome="error", decided_by="error", repro=options.repro(case),
-                        features=_features(case))
+                        features=features(case))
 
     def finish(outcome: str, decided_by: str, message: str) -> CaseResult:
         result.outcome, result.decided_by, result.message = outcome, decided_by, message

@@ -30,12 +30,13 @@ from typing import Callable, Optional
 import torch
 
 from cases.case import Case
+from cases.coverage import features
 from cases.layout import BshdLayout, ThdLayout
 from cases.tensors import CaseTensors, materialize
 
 from . import metrics
 from . import policy as policy_mod
-from .engine import RunOptions, _features, _where, one_line
+from .engine import RunOptions, _where, one_line
 from .impls import Implementation, is_unsupported
 from .results import CaseResult
 from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, take_snapshot, tensor_class
@@ -327,7 +328,7 @@ def run_oracle(name: str, case: Case, impl: Implementation, options: RunOptions,
     oracle = ORACLES[name]
     start = time.perf_counter()
     provider = impl.resolve_provider(options.provider)
-    result = CaseResult(case=case, outcome="error", decided_by="error", features=_features(case),
+    result = CaseResult(case=case, outcome="error", decided_by="error", features=features(case),
                         repro=options.repro(case) + f" --oracle {name}")
     device = options.torch_device()
 

@@ -28,6 +28,12 @@ from typing import Callable, Optional, Sequence
 
 from cases.case import Case
 from cases.coverage import Cell, cell_name, features, hits, parse_cell
+from fused import mutants
+
+from . import policy as policy_mod
+from . import runner
+from .engine import RunOptions, run_case
+from .execution import load_impl
 
 DEFAULT_OUT = Path("reports") / "out" / "mutants"
 MUTANTS_NAME = "mutants.jsonl"
@@ -149,8 +155,6 @@ def run_mutant(name: str, cases: Sequence[Case], clean: dict, run_one: Callable[
                keep_going: bool = False) -> MutantOutcome:
     """Run ``cases`` (those of the selection passing clean, ``clean[id] = (outcome, duration)``) with mutant ``name``
     active, cheapest reaching case first, until one fails (all of them with ``keep_going``)."""
-    from fused import mutants
-
     outcome = MutantOutcome(name, mutants.registered()[name])
     cells = reach_cells(name)
     feats = {c.id: features(c) for c in cases}
@@ -223,25 +227,19 @@ def mutation_suite(cases: Sequence[Case], names: Sequence[str], out_dir: Path, *
                    echo: Callable[[str], None] = print) -> tuple[dict, list[MutantOutcome]]:
     """The clean run (``out_dir/results.jsonl``), then every mutant of ``names``; writes ``mutants.jsonl``.
     Returns ``(clean counts, outcomes)``."""
-    from fused import mutants
-
-    from . import policy as policy_mod
-    from .engine import RunOptions, run_case
-    from .runner import RunConfig, _impl, new_run_id, run
-
     if mutants.active():
         raise RuntimeError(f"mutants {sorted(mutants.active())} are active: the clean run would not be clean")
     (out_dir / MUTANTS_NAME).unlink(missing_ok=True)  # never leave a previous run's matrix next to this run
     options = RunOptions(impl="fused", against="reference", provider=provider, device=device,
                          policy_path=policy_path)
-    config = RunConfig(suite=suite, options=options, out_dir=out_dir, isolate="none", quiet=quiet, argv=argv,
-                       run_id=new_run_id(suite, "fused", "mutants"))
-    counts, _ = run(cases, config)
+    config = runner.RunConfig(suite=suite, options=options, out_dir=out_dir, isolate="none", quiet=quiet, argv=argv,
+                              run_id=runner.new_run_id(suite, "fused", "mutants"))
+    counts, _ = runner.run(cases, config)
     clean = clean_outcomes(out_dir / "results.jsonl")
     echo(f"clean: {sum(counts.values())} cases: {counts['pass']} passed, {counts['fail']} failed, "
          f"{counts['error']} errors, {counts['unsupported']} unsupported")
     policy = policy_mod.load(policy_path) if policy_path else policy_mod.default()
-    impl, against = _impl("fused"), _impl("reference")
+    impl, against = load_impl("fused"), load_impl("reference")
     outcomes = []
     for name in names:
         o = run_mutant(name, cases, clean, lambda case: run_case(case, impl, against, options, policy),

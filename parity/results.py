@@ -23,6 +23,8 @@ from typing import Any, Iterable, Optional
 from cases.case import Case
 from cases.vocabulary import OUTCOMES
 
+from .verdict import MetricRow, TensorResult
+
 FLOAT_MAX = 1.7976931348623157e308
 
 
@@ -78,8 +80,6 @@ class CaseResult:
     @classmethod
     def from_rows(cls, rows: list[dict]) -> "CaseResult":
         """Rebuild from rows (worker → parent transfer; tensors come back as plain verdict objects)."""
-        from .verdict import MetricRow, TensorResult
-
         head = rows[0]
         tensors = {}
         for row in rows[1:]:

@@ -1,7 +1,7 @@
 """A parity run: cases → isolated execution → ``results.jsonl`` streamed case by case → summary, JUnit, exit code.
 
-``execute(request)`` runs one case in the current process and returns its result rows; the worker child
-(:mod:`parity.worker`) calls the same function. :func:`run` drives a whole run:
+:func:`run` drives a whole run (one case in this process: :func:`parity.execution.execute`, which the worker
+child, :mod:`parity.worker`, calls too):
 
 * writes the ``run`` row (options and :func:`parity.environment.environment`), then one block of rows per case as
   it finishes, then the ``end`` row with the counts;
@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import os
 import sys
 import time
@@ -34,50 +33,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
+import torch
+
 from cases.case import Case
+from cases.errors import CaseError
 
 from . import results
 from . import shard
-from .engine import RunOptions, run_case
+from .engine import RunOptions
+from .environment import environment
+from .execution import error_rows, execute, load_impl
+from .junit import write_junit
 from .shard import Slot
+from .worker import WorkerPool
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_ROOT = REPO / "reports" / "out"
-
-
-@functools.lru_cache(maxsize=None)
-def _impl(name: str):
-    from .impls import load
-
-    return load(name)
-
-
-def execute(request: dict) -> list[dict]:
-    """Run one request ``{"case", "options", "oracle"}`` in this process; returns its result rows."""
-    case = Case.from_dict(request["case"])
-    options = RunOptions(**request["options"])
-    oracle = request.get("oracle")
-    try:
-        impl = _impl(options.impl)
-        if oracle:
-            from .metamorphic import run_oracle
-
-            result = run_oracle(oracle, case, impl, options)
-        else:
-            result = run_case(case, impl, _impl(options.against), options)
-    except Exception as exc:  # noqa: BLE001 — e.g. an implementation that cannot even be imported
-        from .engine import one_line
-
-        result = results.CaseResult(case=case, outcome="error", decided_by="error", message=one_line(exc),
-                                    repro=options.repro(case),
-                                    first_failure={"tensor": None, "rule": "error", "message": one_line(exc)})
-    return result.rows()
-
-
-def error_rows(case: Case, options: RunOptions, message: str) -> list[dict]:
-    return results.CaseResult(case=case, outcome="error", decided_by="error", message=message,
-                              repro=options.repro(case),
-                              first_failure={"tensor": None, "rule": "error", "message": message}).rows()
 
 
 # ---- output directory ------------------------------------------------------------------------------------------------
@@ -181,8 +152,6 @@ class _Progress:
 
 def _isolation(config: RunConfig, workers: int) -> str:
     if config.isolate == "none" and workers > 1:
-        from cases.errors import CaseError
-
         raise CaseError("isolate", f"'none' runs in this process and cannot use {workers} workers "
                                    "(use --isolate worker or case, or --workers 1)")
     if config.isolate != "auto":
@@ -199,14 +168,10 @@ def _tag(rows: list[dict], slot: Slot) -> list[dict]:
 
 def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     """Run ``cases``; returns ``(counts, exit code)``."""
-    from .environment import environment
-
     device = config.options.torch_device()
     workers = shard.resolve_workers(config.workers, device)
     mode = _isolation(config, workers)  # usage errors before anything is written
     if config.threads is not None and config.threads < 1:
-        from cases.errors import CaseError
-
         raise CaseError("threads", f"must be a positive integer, got {config.threads}")
     slots = shard.plan_slots(workers, device, threads=config.threads)
     out_dir = config.out_dir
@@ -264,8 +229,6 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
                 progress.starting(case)
                 finished(case, execute(request(case)), slots[0])
         else:
-            from .worker import WorkerPool
-
             pool = WorkerPool(slots[:max(1, min(workers, len(todo)))], timeout=config.timeout,
                               fresh=(mode == "case"))
             jobs = ((c, request(c)) for c in within_budget(todo))
@@ -289,8 +252,6 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     writer.write([end])
     writer.close()
     if config.junit:
-        from .junit import write_junit
-
         write_junit(path, config.junit)
     code = 1 if counts["fail"] or counts["error"] or not_run else 0
     return counts, code
@@ -298,8 +259,6 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
 
 def _set_threads(threads: Optional[int]) -> int:
     """Set this process's intra-op thread count (``None``: leave it); returns the count before."""
-    import torch
-
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -309,15 +268,13 @@ def _set_threads(threads: Optional[int]) -> int:
 def _run_provider(options: RunOptions) -> str:
     """The provider recorded in the ``run`` row: as requested, ``none`` for an implementation without providers."""
     try:
-        return _impl(options.impl).resolve_provider(options.provider)
+        return load_impl(options.impl).resolve_provider(options.provider)
     except Exception:  # noqa: BLE001 — an implementation that cannot load is reported per case
         return options.provider
 
 
 def select(cases: Iterable[Case], ids: Sequence[str]) -> list[Case]:
     """Cases whose id equals or starts with one of ``ids`` (every id must match exactly one case)."""
-    from cases.errors import CaseError
-
     cases = list(cases)
     chosen = []
     for wanted in ids:
