@@ -12,6 +12,12 @@ SUITE     ?= $(shell $(PY) -c 'import torch; print("gate" if torch.cuda.is_avail
 PROVIDER  ?= $(shell $(PY) -c 'import torch, cudnn, flash_mla; print("cudnn" if torch.cuda.is_available() else "auto")' 2>/dev/null || echo auto)
 OUT       ?= reports/out/latest
 WORKERS   ?= 2
+# CI hooks (empty by default: `make parity` runs exactly as without them): JUNIT=path also writes JUnit XML there;
+# RUN_ARGS adds `run` options, e.g. RUN_ARGS='--impl megatron --megatron ../Megatron-LM'. BASELINE: the drift
+# baseline of `make drift` / `make summary` (auto = ARCH/SUITE of the run).
+JUNIT     ?=
+RUN_ARGS  ?=
+BASELINE  ?= auto
 
 ifdef PYTHON
 PY        := $(PYTHON)
@@ -23,15 +29,18 @@ endif
 
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: help parity test test-all report mutants bench cases venv clean
+.PHONY: help parity test test-all report drift summary mutants bench cases venv clean
 
 help:
 	@echo "make parity   run the parity suite (SUITE=$(SUITE), PROVIDER=$(PROVIDER)) and write a report under reports/out/"
 	@echo "make test     run the project's own tests (pytest, $(WORKERS) workers)"
 	@echo "make report   render the latest run's terminal/CSV/HTML report"
+	@echo "make drift    the drift gate: OUT's run against BASELINE (exit 1 when a tensor class regressed)"
+	@echo "make summary  OUT's run as markdown on stdout, <= 64 KiB (CI job summary, PR comment)"
 	@echo "make mutants  run the mutation suite (every planted bug must be caught)"
 	@echo "make bench    benchmark the reference, the fused path and the harness"
-	@echo "Variables: PYTHON=python3 (use an existing interpreter, e.g. CUDA torch), SUITE, PROVIDER, OUT, WORKERS"
+	@echo "Variables: PYTHON=python3 (use an existing interpreter, e.g. CUDA torch), SUITE, PROVIDER, OUT, WORKERS,"
+	@echo "           JUNIT, RUN_ARGS, BASELINE"
 
 venv: $(BOOTSTRAP)
 
@@ -43,7 +52,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 parity: $(BOOTSTRAP)
-	$(PY) -m cli run --suite $(SUITE) --provider $(PROVIDER) --workers auto --out $(OUT) --make-default
+	$(PY) -m cli run --suite $(SUITE) --provider $(PROVIDER) --workers auto --out $(OUT) --make-default \
+		$(if $(JUNIT),--junit $(JUNIT)) $(RUN_ARGS)
 
 test: $(BOOTSTRAP)
 	$(PY) tests/setup_browser.py || true
@@ -51,6 +61,12 @@ test: $(BOOTSTRAP)
 
 report: $(BOOTSTRAP)
 	$(PY) -m cli report $(OUT)
+
+drift: $(BOOTSTRAP)
+	$(PY) -m cli compare $(OUT) --baseline $(BASELINE)
+
+summary: $(BOOTSTRAP)
+	@$(PY) -m cli report $(OUT) --format markdown --no-html --no-csv --baseline $(BASELINE)
 
 mutants: $(BOOTSTRAP)
 	$(PY) -m cli mutants --suite smoke

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Optional
 
 from cases.errors import CaseError
-from fused import mutants
-from parity.mutation_suite import ANY, CATALOGUE, DEFAULT_OUT, DESCRIPTION, MUTANTS_NAME, catalogue_problems, mutation_suite
+from parity import mutants
+from parity.mutation_suite import DEFAULT_OUT, DESCRIPTION, MUTANTS_NAME, mutation_suite
 
 from cli.options import PROVIDERS, add_selection_options, select_cases
 from cli.report_command import render_run
@@ -28,11 +28,9 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     registered = list(mutants.registered())
     if args.list:
         for name in registered:
-            cells = "; ".join(c or "any case" for c in CATALOGUE.get(name, ANY))
+            cells = "; ".join(c or "any case" for c in mutants.reach_cells(name))
             print(f"{name:<30} {mutants.registered()[name]}\n{'':<30} reach: {cells}")
         return 0
-    for problem in catalogue_problems(registered):
-        print(f"warning: {problem}", file=sys.stderr)
     names = args.mutant or registered
     unknown = [n for n in names if n not in registered]
     if unknown:
@@ -64,7 +62,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub) -> dict:
-    p = sub.add_parser("mutants", help="mutation suite: every planted bug (fused.mutants) must fail the suite",
+    p = sub.add_parser("mutants", help="mutation suite: every planted bug (parity/mutants.py) must fail the suite",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_options(p)
     p.add_argument("--mutant", action="append", metavar="NAME", help="run only this mutant (repeatable)")

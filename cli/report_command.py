@@ -17,6 +17,7 @@ from reports.baselines import BASELINES_ROOT, default_baseline, load_baseline, s
 from reports.drift import GateConfig, compare_tables
 from reports.errors import ReportError
 from reports.load import load_run, resolve_results
+from reports.markdown import render_markdown
 from reports.render import gate_for
 from reports.render import render_run as _render
 from reports.schema import DRIFT_METRICS
@@ -60,6 +61,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     report.add_argument("--no-html", action="store_true", help="skip index.html")
     report.add_argument("--no-csv", action="store_true", help="skip results.csv")
     report.add_argument("--quiet", action="store_true", help="no terminal summary")
+    report.add_argument("--format", choices=("terminal", "markdown"), default="terminal",
+                        help="the summary on stdout: the terminal view (default), or markdown for a CI job summary "
+                             "or PR comment, at most 64 KiB (reports/markdown.py)")
     _gate_options(report)
     report.set_defaults(func=report_command)
 
@@ -94,9 +98,13 @@ def report_command(args: argparse.Namespace) -> int:
     try:
         results = resolve_results(args.run, OUT_ROOT)
         baseline = None if args.baseline in ("none", "") else args.baseline
-        _render(results, baseline=baseline, console=None if args.quiet else _console(), html=not args.no_html,
-                   csv=not args.no_csv, top=args.top, baselines_root=args.baselines_dir,
-                   gate_overrides=_overrides(args))
+        terminal = args.format == "terminal" and not args.quiet
+        rendered = _render(results, baseline=baseline, console=_console() if terminal else None,
+                           html=not args.no_html, csv=not args.no_csv, top=args.top,
+                           baselines_root=args.baselines_dir, gate_overrides=_overrides(args))
+        if args.format == "markdown":
+            print(render_markdown(rendered.data, rendered.table, drift=rendered.drift, top=args.top,
+                                  baseline_name=rendered.baseline.name if rendered.baseline else None), end="")
     except ReportError as error:
         return _fail("report", error)
     return 0

@@ -28,10 +28,9 @@ Observation: ``with fused.observe_kernels(observer): ...`` runs every kernel cal
 
 Modules: ``kernels`` (interface, contracts, torch provider), ``plan`` (selection), ``ops`` / ``compressor`` /
 ``indexer`` / ``layer`` (eager parts), ``index_maps`` and ``thd`` (index and layout plumbing), ``sparse_attention``
-(Paths A/C), ``indexer_loss`` (Path B), ``core_attention`` (dispatch), ``mutants`` (planted-bug switches).
+(Paths A/C), ``indexer_loss`` (Path B), ``core_attention`` (dispatch).
 """
 
-from . import mutants
 from .core_attention import compressor, core_attention
 from .indexer import indexer
 from .layer import attention_layer
@@ -40,5 +39,5 @@ from .plan import (BackendError, BackendUnavailable, Plan, StageUnsupported, ava
 from .providers import use_provider  # noqa: E402 - after the public API, which fused.providers re-exports
 
 __all__ = ["BackendError", "BackendUnavailable", "Plan", "StageUnsupported", "attention_layer", "available_providers",
-           "compressor", "core_attention", "current_plan", "executed", "indexer", "mutants", "observe_kernels",
+           "compressor", "core_attention", "current_plan", "executed", "indexer", "observe_kernels",
            "register_provider", "use_backend", "use_provider"]

@@ -14,7 +14,7 @@ import torch
 
 from cases.config import ModelConfig
 
-from . import mutants, ops
+from . import ops
 from .index_maps import batch_of_row, cu_seqlens_compressed
 
 Tensor = torch.Tensor
@@ -32,6 +32,12 @@ def _pool(kv: Tensor, score: Tensor, ape: Tensor, ratio: int, head_dim: int, ove
         score = _overlap(score, overlap_first, float("-inf"), head_dim)
     weights = torch.softmax(score, dim=1, dtype=ops.compute_dtype(kv.dtype)).to(kv.dtype)
     return (kv * weights).sum(dim=1)
+
+
+def segment_first_blocks(local_block: Tensor) -> Tensor:
+    """Bool ``(rows,)``: the blocks with no overlap predecessor, i.e. the first block of each segment (r = 4's window
+    never reaches into the previous segment). ``local_block``: each compressed row's block index in its segment."""
+    return local_block == 0
 
 
 def _overlap(t: Tensor, first: Tensor, fill: float, d: int) -> Tensor:
@@ -90,7 +96,7 @@ def compress_sbhd(x: Tensor, params: dict, prefix: str, config: ModelConfig, rat
     # would zero-fill and copy a full-width gradient of x
     kv = ops.linear(x, params[f"{prefix}.linear_wkv.weight"])[: n_comp * ratio].view(n_comp, ratio, batch, -1)
     score = ops.linear(x, params[f"{prefix}.linear_wgate.weight"])[: n_comp * ratio].view(n_comp, ratio, batch, -1)
-    first = (torch.arange(n_comp, device=x.device) == 0) if ratio == 4 else None
+    first = segment_first_blocks(torch.arange(n_comp, device=x.device)) if ratio == 4 else None
     c = _pool(kv, score, params[f"{prefix}.ape"], ratio, head_dim, first)
     positions = (torch.arange(n_comp, device=x.device) * ratio).view(n_comp, 1)
     return _finish(c, positions, params, prefix, config, rotate, x.dtype)
@@ -118,8 +124,6 @@ def compress_thd(x: Tensor, params: dict, prefix: str, config: ModelConfig, rati
     base = torch.where(valid, cu_seqlens.long()[seg] + gather_local * ratio, 0)
     # tail rows read tokens [0, r); clamped so that a buffer shorter than r cannot index past its end
     gather = (base.unsqueeze(-1) + torch.arange(ratio, device=x.device)).clamp(max=max(x.shape[0] - 1, 0))
-    first = (gather_local == 0) if ratio == 4 else None
-    if first is not None and mutants.is_active(mutants.OVERLAP_CROSSES_SEGMENTS):
-        first = row == 0  # only the pack's first block starts fresh: the overlap crosses segment boundaries
+    first = segment_first_blocks(gather_local) if ratio == 4 else None
     c = _pool(kv[gather], score[gather], params[f"{prefix}.ape"], ratio, head_dim, first)
     return _finish(c, local * ratio, params, prefix, config, rotate, x.dtype), cu_comp

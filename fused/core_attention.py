@@ -22,7 +22,7 @@ from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 from cases.outputs import AttentionOutput
 
-from . import mutants, ops
+from . import ops
 from .compressor import compress_sbhd, compress_thd
 from .index_maps import (batch_of_row, cat_per_segment, compress_idxs_sbhd, compress_idxs_thd, cu_seqlens_kv_full,
                          local_to_global_flat, window_idxs_sbhd, window_idxs_thd)
@@ -62,6 +62,12 @@ class _ZeroIndexerLoss(torch.autograd.Function):
         return (None,) + tuple(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes)
 
 
+def indexer_branch_inputs(x: Tensor, qr: Tensor) -> tuple[Tensor, Tensor]:
+    """The indexer's inputs, cut from the attention graph: only the KL loss trains the indexer, and its gradient
+    never reaches the attention branch (spec §5)."""
+    return x.detach(), qr.detach()
+
+
 def run_core(q: Tensor, kv: Tensor, x: Tensor, qr: Tensor, params: Mapping[str, Tensor], config: ModelConfig,
              thd: Optional[ThdMeta], training: bool, split_topk: Optional[Tensor], positions: Tensor) -> CoreResult:
     """Core attention on SBHD ``q (S,B,n,D)``, ``kv (S,B,D)``, ``x (S,B,Hd)``, ``qr (S,B,Rq)`` or THD ``(T, ...)``.
@@ -84,9 +90,8 @@ def run_core(q: Tensor, kv: Tensor, x: Tensor, qr: Tensor, params: Mapping[str, 
     else:
         rows, n, d = q.shape
         if r > 1:
-            cu_segments = thd.cu_real if mutants.is_active(mutants.COMPRESSOR_REAL_OFFSETS) else thd.cu
-            comp, cu_comp = compress_thd(x, params, ATTENTION_COMPRESSOR, c, r, cu_segments, thd.capacity,
-                                         rotate=False)
+            comp, cu_comp = compress_thd(x, params, ATTENTION_COMPRESSOR, c, r, thd.compressor_boundaries(),
+                                         thd.capacity, rotate=False)
         else:
             comp, cu_comp = None, torch.zeros_like(thd.cu)
         cu_full = cu_seqlens_kv_full(thd.cu, cu_comp)
@@ -104,9 +109,7 @@ def run_core(q: Tensor, kv: Tensor, x: Tensor, qr: Tensor, params: Mapping[str, 
 
     has_keys = comp is not None and max_comp > 0
     if c.has_indexer and (has_keys or training):
-        leak = mutants.is_active(mutants.INDEXER_GRAD_LEAKS)
-        q_i, k_i, w_i, cu_comp_i = indexer_inputs(x if leak else x.detach(), qr if leak else qr.detach(), params, c,
-                                                  positions, thd)
+        q_i, k_i, w_i, cu_comp_i = indexer_inputs(*indexer_branch_inputs(x, qr), params, c, positions, thd)
 
     if not (c.has_indexer and has_keys):  # ---- Path A ----------------------------------------------------------
         parts = [window_ids]
@@ -127,8 +130,7 @@ def run_core(q: Tensor, kv: Tensor, x: Tensor, qr: Tensor, params: Mapping[str, 
         spec = LossSpec(topk=c.dsa_indexer_topk, ratio=r, scale=scale, indexer_scale=c.indexer_softmax_scale,
                         coeff=float(c.dsa_indexer_loss_coeff), sparse=c.dsa_indexer_use_sparse_loss,
                         per_token=c.calculate_per_token_loss,
-                        real_rows=rows if thd is None or mutants.is_active(mutants.LOSS_OVER_PHYSICAL_ROWS)
-                        else thd.real_row_count(),
+                        real_rows=rows if thd is None else thd.real_row_count(),
                         kv_offset=0 if thd is not None else seqlen, thd=thd, cu_kv_full=cu_full, cu_comp=cu_comp_i,
                         max_comp=max_comp, padding_rows=padding)
         out, loss, lse, topk, scores = IndexerSparseAttnFunc.apply(q, kv_full, sink, window_ids, q_i, k_i, w_i,
@@ -233,7 +235,8 @@ def compressor(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], prefix:
     head_dim = params[f"{prefix}.norm.weight"].shape[0]
     if packed_seq_params is not None:
         thd = ThdMeta.from_params(packed_seq_params, hidden.shape[0])
-        out, _ = compress_thd(hidden, params, prefix, config, ratio, thd.cu, thd.capacity, rotate=rotate)
+        out, _ = compress_thd(hidden, params, prefix, config, ratio, thd.compressor_boundaries(), thd.capacity,
+                              rotate=rotate)
         return out if out is not None else hidden.new_zeros((0, head_dim))
     out = compress_sbhd(hidden.transpose(0, 1), params, prefix, config, ratio, rotate=rotate)
     if out is None:

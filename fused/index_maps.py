@@ -15,8 +15,6 @@ from typing import Optional
 
 import torch
 
-from . import mutants
-
 Tensor = torch.Tensor
 
 
@@ -47,6 +45,12 @@ def cu_seqlens_kv_full(cu_kv: Tensor, cu_comp: Tensor) -> Tensor:
     return torch.cat([cu_kv.new_zeros(1), lengths.cumsum(0).to(cu_kv.dtype)])
 
 
+def causal_visible(pos: Tensor, ratio: int) -> Tensor:
+    """Compressed keys visible to the query at segment position ``pos``: ``(pos + 1) // r`` (key ``g`` pools tokens
+    ``[g r, (g + 1) r)``, so it is causal once its last token ``g r + r - 1 <= pos``). Same dtype as ``pos``."""
+    return torch.div(pos + 1, ratio, rounding_mode="floor")
+
+
 # ---- window / compressed ids ------------------------------------------------------------------------------------
 def _window_matrix(pos: Tensor, window: int) -> Tensor:
     """Row with position ``p`` sees ``[max(0, p-W+1), p]``; slots past ``p`` (only when ``p < W-1``) are -1."""
@@ -74,9 +78,7 @@ def window_idxs_thd(window: int, cu_seqlens: Tensor, total: int) -> Tensor:
 def compress_idxs_sbhd(ratio: int, batch: int, seqlen: int, offset: int, device) -> Tensor:
     """``(B, S, S // r)``: column ``g`` holds ``offset + g`` iff ``g < (s + 1) // r``, else -1."""
     g = torch.arange(seqlen // ratio, device=device, dtype=torch.int32)
-    visible = (torch.arange(1, seqlen + 1, device=device, dtype=torch.int32) // ratio).unsqueeze(-1)
-    if mutants.is_active(mutants.CAUSAL_OFF_BY_ONE):
-        visible = visible + 1
+    visible = causal_visible(torch.arange(seqlen, device=device, dtype=torch.int32), ratio).unsqueeze(-1)
     ids = torch.where(g < visible, g + offset, torch.full_like(g, -1))
     return ids.unsqueeze(0).expand(batch, -1, -1)
 
@@ -87,10 +89,7 @@ def compress_idxs_thd(ratio: int, cu_q: Tensor, cu_kv: Tensor, cu_comp: Tensor, 
     rows = torch.arange(total, device=cu_q.device, dtype=torch.int64)
     inside = rows < cu_q.long()[-1]
     pos = rows - cu_q.long()[seg]
-    visible = torch.minimum(torch.div(pos + 1, ratio, rounding_mode="floor"), (cu_comp[1:] - cu_comp[:-1]).long()[seg])
-    if mutants.is_active(mutants.CAUSAL_OFF_BY_ONE):
-        visible = torch.minimum(torch.div(pos + 1, ratio, rounding_mode="floor") + 1,
-                                (cu_comp[1:] - cu_comp[:-1]).long()[seg])
+    visible = torch.minimum(causal_visible(pos, ratio), (cu_comp[1:] - cu_comp[:-1]).long()[seg])
     visible = torch.where(inside, visible, 0)
     g = torch.arange(width, device=cu_q.device, dtype=torch.int64)
     kv_len = (cu_kv[1:] - cu_kv[:-1]).long()[seg]
@@ -125,9 +124,7 @@ def cat_per_segment(kv: Tensor, compressed: Optional[Tensor], cu_kv: Tensor, cu_
     if compressed is None:
         return kv
     total_kv, capacity = kv.shape[0], compressed.shape[0]
-    rows = total_kv + capacity
-    if mutants.is_active(mutants.INVALID_COMP_ROWS_OOB):
-        rows = total_kv + int(cu_comp[-1])  # sized for the true compressed count only
+    rows = kv_full_rows(total_kv, capacity, cu_comp)
     out = torch.full((rows,) + tuple(kv.shape[1:]), float("nan"), dtype=kv.dtype, device=kv.device)
 
     seg = batch_of_row(cu_kv, total_kv)
@@ -140,8 +137,18 @@ def cat_per_segment(kv: Tensor, compressed: Optional[Tensor], cu_kv: Tensor, cu_
         src = torch.arange(capacity, device=kv.device)
         kv_len = (cu_kv[1:] - cu_kv[:-1]).long()[seg]
         dst = cu_full.long()[seg] + kv_len + (src - cu_comp.long()[seg])
-        tail = total_kv + src
-        if mutants.is_active(mutants.INVALID_COMP_ROWS_ONTO_VALID):
-            tail = torch.zeros_like(src)  # invalid rows "parked" on row 0: a valid key of segment 0
-        out[torch.where(src < cu_comp.long()[-1], dst, tail)] = compressed
+        out[torch.where(src < cu_comp.long()[-1], dst, invalid_compressed_slots(src, total_kv))] = compressed
     return out
+
+
+def kv_full_rows(total_kv: int, capacity: int, cu_comp: Tensor) -> int:
+    """Rows of the packed ``kv_full``: every kv row plus every compressed **capacity** row. Never sized by the true
+    count ``cu_comp[-1]``: that is a device value (a host read breaks graph capture) and the invalid compressed rows
+    need slots of their own (:func:`invalid_compressed_slots`)."""
+    return total_kv + capacity
+
+
+def invalid_compressed_slots(src: Tensor, total_kv: int) -> Tensor:
+    """Where compressed row ``src`` goes when it is past the true count: tail slot ``total_kv + src``, which no valid
+    index reaches (never a valid key's row)."""
+    return total_kv + src

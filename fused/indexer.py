@@ -15,9 +15,9 @@ from cases.config import ModelConfig
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 
-from . import mutants, ops
+from . import ops
 from .compressor import compress_sbhd, compress_thd
-from .index_maps import batch_of_row
+from .index_maps import batch_of_row, causal_visible
 from .plan import kernels
 from .thd import ThdMeta
 
@@ -41,7 +41,8 @@ def indexer_inputs(x: Tensor, qr: Tensor, params: Mapping[str, Tensor], config: 
     if thd is None:
         k, cu_comp = compress_sbhd(x, params, f"{PREFIX}.compressor", c, 4, rotate=True), None
     else:
-        k, cu_comp = compress_thd(x, params, f"{PREFIX}.compressor", c, 4, thd.cu, thd.capacity, rotate=True)
+        k, cu_comp = compress_thd(x, params, f"{PREFIX}.compressor", c, 4, thd.compressor_boundaries(),
+                                  thd.capacity, rotate=True)
     w = ops.linear(x, params[f"{PREFIX}.linear_weights_proj.weight"]) * n_heads ** -0.5
     return q, k, w, cu_comp
 
@@ -56,18 +57,14 @@ def visible_counts(ratio: int, n_comp: int, rows_bshd: Optional[tuple], thd: Opt
     """Per query row, the number of ratio-causal compressed keys (int32): ``(B*S,)`` b-major, or ``(T,)``."""
     if thd is None:
         batch, seqlen = rows_bshd
-        per_q = (torch.arange(1, seqlen + 1, device=device) // ratio).clamp(max=n_comp)
-        if mutants.is_active(mutants.CAUSAL_OFF_BY_ONE):
-            per_q = (torch.arange(1, seqlen + 1, device=device) // ratio + 1).clamp(max=n_comp)
+        per_q = causal_visible(torch.arange(seqlen, device=device), ratio).clamp(max=n_comp)
         return per_q.repeat(batch).int()
     seg = batch_of_row(thd.cu, thd.total)
     rows = torch.arange(thd.total, device=device)
     inside = rows < thd.cu.long()[-1]
     pos = rows - thd.cu.long()[seg]
     n_seg = (cu_comp[1:] - cu_comp[:-1]).long()[seg]
-    causal = torch.div(pos + 1, ratio, rounding_mode="floor")
-    if mutants.is_active(mutants.CAUSAL_OFF_BY_ONE):
-        causal = causal + 1
+    causal = causal_visible(pos, ratio)
     return torch.where(inside, torch.minimum(causal, n_seg), 0).int()
 
 
@@ -95,13 +92,18 @@ def select_topk(q: Tensor, k: Tensor, w_scaled: Tensor, topk: int, ratio: int, t
     width = min(topk, n_keys)
     ids = kernels.indexer_top_k(flat, visible, top_k=width, next_n=1, return_val=False)["indices"]
     if width < topk:
-        fill = 0 if mutants.is_active(mutants.TOPK_WIDTH_K_SHORT) else -1  # the mutant: K "real" slots
-        ids = torch.cat([ids, ids.new_full((ids.shape[0], topk - width), fill)], dim=-1)
+        ids = pad_topk(ids, topk)
     if thd is not None:  # keep only in-range, finite selections (production's THD post-filter)
         ok = (ids >= 0) & (ids < visible.unsqueeze(-1))
         picked = torch.gather(flat, 1, ids.clamp(0, max(n_keys - 1, 0)).long()) if n_keys else flat.new_zeros(ids.shape)
         ids = ids.masked_fill(~(ok & torch.isfinite(picked)), -1)
     return (ids if thd is not None else ids.view(batch, seqlen, topk)).int(), scores, visible
+
+
+def pad_topk(ids: Tensor, topk: int) -> Tensor:
+    """``(rows, width)`` ids of a row set with fewer than ``K`` compressed keys, padded to width ``K`` with ``-1``
+    (empty slots, never a key id)."""
+    return torch.cat([ids, ids.new_full((ids.shape[0], topk - ids.shape[1]), -1)], dim=-1)
 
 
 def mask_split_topk(given: Tensor, visible: Tensor, topk: int) -> Tensor:

@@ -27,7 +27,6 @@ from typing import Optional, Union
 
 import torch
 
-from . import mutants
 from .index_maps import batch_of_row, local_to_global_flat
 from .indexer import fold_indexer_scale, mask_split_topk, select_topk
 from .plan import kernels
@@ -71,16 +70,12 @@ def _drop_fake_batch(t: Tensor) -> Tensor:
 
 def bshd_to_sbhd(t: Tensor) -> Tensor:
     """``(B, S, ...)`` kernel result -> ``(S, B, ...)`` for the SBHD composition."""
-    if mutants.is_active(mutants.VIEW_OVER_BATCH):
-        return t.reshape((t.shape[1], t.shape[0]) + tuple(t.shape[2:]))
     return t.transpose(0, 1).contiguous()
 
 
 def kl_from_target_predict(target: Tensor, predict: Tensor, topk: Tensor) -> Tensor:
     """Per-row ``KL(target || predict)`` over the top-k slots, both clamped at fp32 ``tiny``; rows without a valid
     slot give 0 (``_kl_loss_from_target_predict`` before its reduction)."""
-    if mutants.is_active(mutants.KL_FULL_WIDTH_NAN):  # every slot, unclamped: 0 * (log 0 - log 0) on -1 slots
-        return (target * (torch.log(target) - torch.log(predict))).sum(-1)
     t, p = target.clamp(min=FP32_TINY), predict.clamp(min=FP32_TINY)
     kl = (t * (torch.log(t) - torch.log(p))).sum(-1)
     return torch.where((topk >= 0).any(-1), kl, torch.zeros_like(kl))
@@ -124,146 +119,211 @@ def kernel_loss_coeff(spec: LossSpec, physical_rows: int) -> float:
     return spec.coeff * physical_rows / max(spec.real_rows, 1)
 
 
+@dataclass
+class PathB:
+    """What the four steps of Path B hand each other (one forward call). ``rows`` = flat query rows: ``S*B``
+    (SBHD-flat, row ``s*B + b``) or ``T`` (THD). Indexer tensors are in the kernels' layout: BSHD ``(B, S, ...)`` or
+    THD ``(T, ...)``."""
+
+    spec: LossSpec
+    n: int                                   # attention heads
+    q_flat: Tensor                           # (rows, n, D)
+    kv_flat: Tensor                          # (n_kv, D)
+    q_i: Tensor
+    k_i: Tensor
+    w_i: Tensor
+    batch: int = 1                           # SBHD only
+    seqlen: int = 0                          # SBHD only
+    # 1. selection
+    own_topk: Optional[Tensor] = None        # the indexer's own ids (kernel slot order)
+    raw_scores: Optional[Tensor] = None      # the indexer's scores as the kernel returned them
+    topk_cmp: Optional[Tensor] = None        # local compressed ids the step uses (own or split mode), -1 padded
+    comp_ids: Optional[Tensor] = None        # their ids in the per-segment full key space
+    window_global: Optional[Tensor] = None   # (rows, W) flat-global window ids
+    global_idxs: Optional[Tensor] = None     # (rows, K + W) compacted flat-global ids
+    topk_length: Optional[Tensor] = None
+    # 2. attention
+    out_flat: Optional[Tensor] = None
+    lse: Optional[Tensor] = None             # (rows, n), KV-only (no sink)
+    # 3. teacher / student
+    q_det: Optional[Tensor] = None           # detached query, kernel layout
+    k_comp_det: Optional[Tensor] = None      # detached compressed keys, kernel layout
+
+    @property
+    def thd(self) -> Optional[ThdMeta]:
+        return self.spec.thd
+
+    @property
+    def physical_rows(self) -> int:
+        return self.q_flat.shape[0]
+
+    def thd_kwargs(self) -> dict:
+        """The varlen keywords of the THD dense-loss kernels (``max_seqlen_*`` are host ints: required)."""
+        thd, spec = self.thd, self.spec
+        return dict(cu_seqlens_q=thd.cu, cu_seqlens_k=spec.cu_comp, max_seqlen_q=thd.max_seqlen,
+                    max_seqlen_k=spec.max_comp)
+
+
+def path_b_inputs(query: Tensor, kv_full: Tensor, q_indexer: Tensor, k_indexer: Tensor, weights: Tensor,
+                  spec: LossSpec) -> PathB:
+    """The flat attention tensors and the indexer tensors in the kernels' layout (SBHD -> BSHD permutes)."""
+    if spec.thd is not None:
+        n = query.shape[1]
+        return PathB(spec, n, query, kv_full, q_indexer, k_indexer, weights)
+    seqlen, batch, n, d = query.shape
+    return PathB(spec, n, query.reshape(seqlen * batch, n, d), kv_full.reshape(-1, d),
+                 q_indexer.permute(1, 0, 2, 3).contiguous(), k_indexer.permute(1, 0, 2).contiguous(),
+                 weights.permute(1, 0, 2).contiguous(), batch=batch, seqlen=seqlen)
+
+
+def select_keys(st: PathB, window_idxs: Tensor, split_topk: Optional[Tensor]) -> None:
+    """Step 1: indexer scores + top-k; ids ``[compressed K | window W]`` made flat-global and compacted."""
+    spec, thd = st.spec, st.thd
+    w_scaled = fold_indexer_scale(st.w_i, spec.indexer_scale)
+    st.own_topk, st.raw_scores, visible = select_topk(st.q_i, st.k_i, w_scaled, spec.topk, spec.ratio, thd,
+                                                      spec.cu_comp, spec.max_comp)
+    st.topk_cmp = st.own_topk if split_topk is None else mask_split_topk(split_topk, visible, spec.topk)
+    if thd is not None:
+        kv_len = (thd.cu[1:] - thd.cu[:-1]).long()[batch_of_row(thd.cu, st.physical_rows)].unsqueeze(-1)
+        st.comp_ids = torch.where(st.topk_cmp >= 0, st.topk_cmp + kv_len, -1)
+        global_idxs = local_to_global_flat(torch.cat([st.comp_ids, window_idxs], -1), -1, thd.cu, spec.cu_kv_full)
+    else:
+        st.comp_ids = torch.where(st.topk_cmp >= 0, st.topk_cmp + spec.kv_offset, -1)
+        global_idxs = local_to_global_flat(torch.cat([st.comp_ids, window_idxs], -1), st.batch)
+    st.window_global = global_idxs[:, spec.topk:]
+    st.global_idxs, st.topk_length = compact(global_idxs)
+
+
+def attend(st: PathB, attn_sink: Tensor) -> None:
+    """Step 2: the sparse attention forward (FlashMLA convention)."""
+    st.out_flat, st.lse = flash_mla_forward(st.q_flat, st.kv_flat, st.global_idxs, st.spec.scale, attn_sink,
+                                            st.topk_length)
+
+
+def teacher_lse(st: PathB, sink: Tensor) -> Tensor:
+    """Step 3a, the teacher's normaliser: the LSE over every key the attention saw **and the sink**.
+
+    Sparse loss: ``logaddexp(lse, sink)`` of the attention's own LSE, ``(rows, n)``. Dense loss: the full teacher
+    LSE (window keys, every causal compressed key and the sink) from the teacher-LSE kernel.
+    """
+    if st.spec.sparse:
+        return torch.logaddexp(st.lse, sink.to(st.lse.dtype).view(1, st.n))
+    spec, thd = st.spec, st.thd
+    q, kv = st.q_flat.detach(), st.kv_flat.detach()
+    if thd is not None:
+        return kernels.csa_teacher_lse(q, kv, st.k_comp_det, sink, st.window_global, spec.scale, spec.ratio,
+                                       **st.thd_kwargs())
+    return kernels.csa_teacher_lse(q, kv, st.k_comp_det, sink, st.window_global, spec.scale, spec.ratio,
+                                   batch_size=st.batch, seqlen_q=st.seqlen)
+
+
+def detach_teacher_inputs(st: PathB, query: Tensor, kv_full: Tensor, compressed_kv: Optional[Tensor]) -> None:
+    """The teacher's query and compressed keys, detached, in the kernels' layout."""
+    if st.thd is not None:
+        st.q_det, st.k_comp_det = query.detach(), compressed_kv.detach()
+    else:
+        st.q_det = query.detach().permute(1, 0, 2, 3).contiguous()
+        st.k_comp_det = kv_full[st.spec.kv_offset:].detach().permute(1, 0, 2).contiguous()
+
+
+def kl_rows_and_grads(st: PathB, teacher: Tensor, scores: Tensor, topk_cmp: Tensor) -> tuple[Tensor, list]:
+    """Steps 3b and 4: the per-row KL, and the indexer gradients computed **eagerly** by the indexer-backward kernel
+    with ``grad_loss = 1`` (padding rows already masked out of ``scores`` / ``topk_cmp``)."""
+    spec, thd, n = st.spec, st.thd, st.n
+    padding = spec.padding_rows
+    unit_grad, coeff_k, grad_divisor = kernel_loss_scale(spec, st.physical_rows, st.q_flat.device)
+    if spec.sparse:
+        sparse_teacher = teacher if thd is not None else \
+            teacher.reshape(st.seqlen, st.batch, n).permute(1, 0, 2).contiguous()
+        picked = torch.gather(scores, -1, topk_cmp.clamp(min=0).long())
+        predict = torch.softmax(torch.where(topk_cmp >= 0, picked, torch.finfo(torch.float32).min), dim=-1)
+        topk_target = local_to_global_flat(topk_cmp, -1, thd.cu, spec.cu_comp) if thd is not None else topk_cmp
+        args = (st.q_det, st.k_comp_det, sparse_teacher, topk_target)
+        if thd is not None:
+            args = _fake_bshd(*args)
+        target = kernels.sparse_attn_score_recompute(*args, spec.scale, qhead_per_kv_head=n,
+                                                     topk_indices_global=thd is not None)["target"]
+        if thd is not None:
+            target = _drop_fake_batch(target)
+        kl_rows = kl_from_target_predict(target, predict, topk_cmp)
+        if spec.coeff <= 0:
+            return kl_rows, None
+        bwd = (st.q_i, st.w_i, st.k_i, target.clone(), predict.clone(), topk_cmp)
+        if thd is not None:
+            bwd = _fake_bshd(*bwd[:5], local_to_global_flat(topk_cmp, -1, thd.cu, spec.cu_comp))
+        ig = kernels.indexer_backward(*bwd, grad_loss=unit_grad, sm_scale=spec.indexer_scale, loss_coeff=coeff_k,
+                                      block_I=128, topk_indices_global=thd is not None)
+        grads = [ig["d_index_q"], ig["d_weights"], ig["d_index_k"]]
+        grads = [_drop_fake_batch(g) for g in grads] if thd is not None else [bshd_to_sbhd(g) for g in grads]
+    else:
+        index_lse = torch.logsumexp(scores, dim=-1)
+        thd_kwargs = st.thd_kwargs() if thd is not None else {}
+        res = kernels.dense_attn_score_recompute(st.q_det, st.k_comp_det.unsqueeze(1 if thd is not None else 2),
+                                                 teacher, spec.scale, qhead_per_kv_head=n, ratio=spec.ratio,
+                                                 **thd_kwargs)
+        attn_score, attn_l1 = res["out"], res["denom"]
+        if padding is not None:
+            attn_score = attn_score.masked_fill(padding.unsqueeze(-1), 0)
+            attn_l1 = attn_l1.masked_fill(padding, 0)
+        kl_rows = kl_from_dense_scores(attn_score, attn_l1, scores, index_lse)
+        if spec.coeff <= 0:
+            return kl_rows, None
+        index_for_bwd, lse_for_bwd = scores.clone(), index_lse
+        if padding is not None:  # score - lse = -inf: predict 0 and the log-clip mask 0, so g = 0 exactly
+            index_for_bwd = index_for_bwd.masked_fill(padding.unsqueeze(-1), 0)
+            lse_for_bwd = index_lse.masked_fill(padding, float("inf"))
+        ig = kernels.dense_indexer_backward(st.q_i, st.w_i, st.k_i, attn_score.clone(), attn_l1, index_for_bwd,
+                                            lse_for_bwd, unit_grad, sm_scale=spec.indexer_scale,
+                                            loss_coeff=coeff_k, ratio=spec.ratio, block_I=128, **thd_kwargs)
+        grads = [ig["d_index_q"], ig["d_weights"], ig["d_index_k"]]
+        if thd is None:
+            grads = [bshd_to_sbhd(g) for g in grads]
+    if grad_divisor is not None:
+        grads = [g / grad_divisor.to(g.dtype if g.dtype == torch.float64 else torch.float32) for g in grads]
+    return kl_rows, mask_padding_grads(grads, padding)
+
+
+def mask_padding_grads(grads: list, padding: Optional[Tensor]) -> list:
+    """Padding rows send no gradient: the indexer query and weight gradients ``[d_q (rows,nI,dI), d_w (rows,nI),
+    d_k]`` zeroed there (rows a kernel never wrote are not read)."""
+    if padding is None:
+        return grads
+    return [grads[0].masked_fill(padding.view(-1, 1, 1), 0), grads[1].masked_fill(padding.view(-1, 1), 0), grads[2]]
+
+
 class IndexerSparseAttnFunc(torch.autograd.Function):
     """Path B. Inputs: ``query`` SBHD ``(S,B,n,D)`` / THD ``(T,n,D)``; ``kv_full`` ``(S+n_comp,B,D)`` /
     ``(rows,D)``; ``attn_sink (n,)``; local ``window_idxs`` ``(B,S,W)`` / ``(T,W)``; ``q_indexer``, ``k_indexer``,
     ``weights`` in the layer layout (differentiable); ``compressed_kv`` (THD); ``split_topk`` (or None).
 
     Outputs: ``out`` like ``query``, the 0-d ``loss``, and non-differentiable ``lse (rows, n)`` (flat, FlashMLA
-    convention), the indexer's own ids (int32, kernel slot order) and its scores.
+    convention), the indexer's own ids (int32, kernel slot order) and its scores. The steps are the module
+    docstring's: :func:`select_keys`, :func:`attend`, :func:`teacher_lse` + :func:`kl_rows_and_grads`.
     """
 
     @staticmethod
     def forward(ctx, query, kv_full, attn_sink, window_idxs, q_indexer, k_indexer, weights, compressed_kv,
                 spec: LossSpec, split_topk):
-        thd = spec.thd
-        if thd is not None:
-            total_q, n, d = query.shape
-            q_i, k_i, w_i = q_indexer, k_indexer, weights
-        else:
-            seqlen, batch, n, d = query.shape
-            q_i = q_indexer.permute(1, 0, 2, 3).contiguous()
-            k_i = k_indexer.permute(1, 0, 2).contiguous()
-            w_i = weights.permute(1, 0, 2).contiguous()
-        w_scaled = fold_indexer_scale(w_i, spec.indexer_scale)
-
-        # 1. indexer scores + top-k; ids [compressed K | window W], flat-global, compacted
-        own_topk, raw_scores, visible = select_topk(q_i, k_i, w_scaled, spec.topk, spec.ratio, thd, spec.cu_comp,
-                                                    spec.max_comp)
-        scores = raw_scores
-        topk_cmp = own_topk if split_topk is None else mask_split_topk(split_topk, visible, spec.topk)
-        if thd is not None:
-            kv_len = (thd.cu[1:] - thd.cu[:-1]).long()[batch_of_row(thd.cu, total_q)].unsqueeze(-1)
-            comp_ids = torch.where(topk_cmp >= 0, topk_cmp + kv_len, -1)
-            global_idxs = local_to_global_flat(torch.cat([comp_ids, window_idxs], -1), -1, thd.cu, spec.cu_kv_full)
-            q_flat, kv_flat = query, kv_full
-        else:
-            comp_ids = torch.where(topk_cmp >= 0, topk_cmp + spec.kv_offset, -1)
-            global_idxs = local_to_global_flat(torch.cat([comp_ids, window_idxs], -1), batch)
-            q_flat, kv_flat = query.reshape(seqlen * batch, n, d), kv_full.reshape(-1, d)
-        window_global = global_idxs[:, spec.topk:]
-        global_idxs, topk_length = compact(global_idxs)
-
-        # 2. sparse attention forward
-        out_flat, lse = flash_mla_forward(q_flat, kv_flat, global_idxs, spec.scale, attn_sink, topk_length)
-        padding = spec.padding_rows
-        bwd_idxs, bwd_length = backward_index_state(global_idxs, topk_length, padding)
-
-        # 3. teacher and student
-        sink = attn_sink.detach()
-        full_lse = torch.logaddexp(lse, sink.to(lse.dtype).view(1, n))
-        if mutants.is_active(mutants.SINK_DROPPED_TEACHER):
-            full_lse = lse
-        if mutants.is_active(mutants.TEACHER_COMPRESSED_ONLY):  # the LSE of the selected compressed keys alone
-            comp_global = local_to_global_flat(comp_ids, -1, thd.cu, spec.cu_kv_full) if thd is not None else \
-                local_to_global_flat(comp_ids, batch)
-            comp_idxs, comp_length = compact(comp_global)
-            full_lse = flash_mla_forward(q_flat, kv_flat, comp_idxs, spec.scale, None, comp_length)[1]
-        if thd is not None:
-            q_det, k_comp_det, sparse_teacher = query.detach(), compressed_kv.detach(), full_lse
-        else:
-            q_det = query.detach().permute(1, 0, 2, 3).contiguous()
-            k_comp_det = kv_full[spec.kv_offset:].detach().permute(1, 0, 2).contiguous()
-            sparse_teacher = full_lse.reshape(seqlen, batch, n).permute(1, 0, 2).contiguous()
-        if padding is not None:
-            topk_cmp = topk_cmp.masked_fill(padding.unsqueeze(-1), -1)
-            scores = scores.masked_fill(padding.unsqueeze(-1), float("-inf"))
-        physical = total_q if thd is not None else batch * seqlen
-        unit_grad, coeff_k, grad_divisor = kernel_loss_scale(spec, physical, query.device)
-
-        if spec.sparse:
-            picked = torch.gather(scores, -1, topk_cmp.clamp(min=0).long())
-            predict = torch.softmax(torch.where(topk_cmp >= 0, picked, torch.finfo(torch.float32).min), dim=-1)
-            topk_target = local_to_global_flat(topk_cmp, -1, thd.cu, spec.cu_comp) if thd is not None else topk_cmp
-            args = (q_det, k_comp_det, sparse_teacher, topk_target)
-            if thd is not None:
-                args = _fake_bshd(*args)
-            target = kernels.sparse_attn_score_recompute(*args, spec.scale, qhead_per_kv_head=n,
-                                                         topk_indices_global=thd is not None)["target"]
-            if thd is not None:
-                target = _drop_fake_batch(target)
-            kl_rows = kl_from_target_predict(target, predict, topk_cmp)
-        else:
-            index_lse = torch.logsumexp(scores, dim=-1)
-            thd_kwargs = {}
-            if mutants.is_active(mutants.SINK_DROPPED_TEACHER) or mutants.is_active(mutants.TEACHER_COMPRESSED_ONLY):
-                sink = torch.full_like(sink, float("-inf"))
-            if mutants.is_active(mutants.TEACHER_COMPRESSED_ONLY):
-                window_global = torch.full_like(window_global, -1)
-            if thd is not None:
-                thd_kwargs = dict(cu_seqlens_q=thd.cu, cu_seqlens_k=spec.cu_comp, max_seqlen_q=thd.max_seqlen,
-                                  max_seqlen_k=spec.max_comp)
-                teacher = kernels.csa_teacher_lse(q_flat.detach(), kv_flat.detach(), k_comp_det, sink, window_global,
-                                                  spec.scale, spec.ratio, **thd_kwargs)
-            else:
-                teacher = kernels.csa_teacher_lse(q_flat.detach(), kv_flat.detach(), k_comp_det, sink, window_global,
-                                                  spec.scale, spec.ratio, batch_size=batch, seqlen_q=seqlen)
-            res = kernels.dense_attn_score_recompute(q_det, k_comp_det.unsqueeze(1 if thd is not None else 2), teacher,
-                                                     spec.scale, qhead_per_kv_head=n, ratio=spec.ratio, **thd_kwargs)
-            attn_score, attn_l1 = res["out"], res["denom"]
-            if padding is not None:
-                attn_score = attn_score.masked_fill(padding.unsqueeze(-1), 0)
-                attn_l1 = attn_l1.masked_fill(padding, 0)
-            kl_rows = kl_from_dense_scores(attn_score, attn_l1, scores, index_lse)
+        st = path_b_inputs(query, kv_full, q_indexer, k_indexer, weights, spec)
+        select_keys(st, window_idxs, split_topk)                                    # 1.
+        attend(st, attn_sink)                                                       # 2.
+        bwd_idxs, bwd_length = backward_index_state(st.global_idxs, st.topk_length, spec.padding_rows)
+        detach_teacher_inputs(st, query, kv_full, compressed_kv)                           # 3.
+        teacher = teacher_lse(st, attn_sink.detach())
+        scores, topk_cmp = st.raw_scores, st.topk_cmp
+        if spec.padding_rows is not None:
+            topk_cmp = topk_cmp.masked_fill(spec.padding_rows.unsqueeze(-1), -1)
+            scores = scores.masked_fill(spec.padding_rows.unsqueeze(-1), float("-inf"))
+        kl_rows, grads = kl_rows_and_grads(st, teacher, scores, topk_cmp)           # 3b. and 4.
         loss = reduce_kl(kl_rows, spec) if spec.coeff > 0 else kl_rows.new_zeros(())
-
-        # 4. indexer gradients, eagerly, with grad_loss = 1
-        if spec.coeff > 0 and spec.sparse:
-            bwd = (q_i, w_i, k_i, target.clone(), predict.clone(), topk_cmp)
-            if thd is not None:
-                bwd = _fake_bshd(*bwd[:5], local_to_global_flat(topk_cmp, -1, thd.cu, spec.cu_comp))
-            ig = kernels.indexer_backward(*bwd, grad_loss=unit_grad, sm_scale=spec.indexer_scale, loss_coeff=coeff_k,
-                                          block_I=128, topk_indices_global=thd is not None)
-            grads = [ig["d_index_q"], ig["d_weights"], ig["d_index_k"]]
-            grads = [_drop_fake_batch(g) for g in grads] if thd is not None else [bshd_to_sbhd(g) for g in grads]
-        elif spec.coeff > 0:
-            index_for_bwd, lse_for_bwd = scores.clone(), index_lse
-            if padding is not None:  # score - lse = -inf: predict 0 and the log-clip mask 0, so g = 0 exactly
-                index_for_bwd = index_for_bwd.masked_fill(padding.unsqueeze(-1), 0)
-                lse_for_bwd = index_lse.masked_fill(padding, float("inf"))
-            kwargs = dict(thd_kwargs)
-            if thd is not None and mutants.is_active(mutants.THD_DENSE_BWD_NO_MAX_SEQLEN):
-                kwargs.pop("max_seqlen_q"), kwargs.pop("max_seqlen_k")
-            ig = kernels.dense_indexer_backward(q_i, w_i, k_i, attn_score.clone(), attn_l1, index_for_bwd,
-                                                lse_for_bwd, unit_grad, sm_scale=spec.indexer_scale,
-                                                loss_coeff=coeff_k, ratio=spec.ratio, block_I=128, **kwargs)
-            grads = [ig["d_index_q"], ig["d_weights"], ig["d_index_k"]]
-            if thd is None:
-                grads = [bshd_to_sbhd(g) for g in grads]
-        else:
+        if grads is None:
             grads = [torch.zeros_like(q_indexer), torch.zeros_like(weights), torch.zeros_like(k_indexer)]
-        if grad_divisor is not None and spec.coeff > 0:
-            grads = [g / grad_divisor.to(g.dtype if g.dtype == torch.float64 else torch.float32) for g in grads]
-        # padding rows send no gradient (and rows a kernel never wrote are not read)
-        if padding is not None and not mutants.is_active(mutants.PADDING_GRADS_NOT_ZEROED):
-            grads[0] = grads[0].masked_fill(padding.view(-1, 1, 1), 0)
-            grads[1] = grads[1].masked_fill(padding.view(-1, 1), 0)
 
-        ctx.save_for_backward(q_flat, kv_flat, attn_sink, bwd_idxs, out_flat, lse, *grads)
+        ctx.save_for_backward(st.q_flat, st.kv_flat, attn_sink, bwd_idxs, st.out_flat, st.lse, *grads)
         ctx.topk_length, ctx.spec, ctx.query_shape, ctx.kv_shape = bwd_length, spec, query.shape, kv_full.shape
-        out = out_flat.view(query.shape)
-        ctx.mark_non_differentiable(lse, raw_scores)
-        return out, loss, lse, own_topk, raw_scores
+        out = st.out_flat.view(query.shape)
+        ctx.mark_non_differentiable(st.lse, st.raw_scores)
+        return out, loss, st.lse, st.own_topk, st.raw_scores
 
     @staticmethod
     def backward(ctx, d_out, d_loss, *_unused):

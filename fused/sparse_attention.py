@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 
-from . import mutants
 from .plan import current_plan, kernels
 
 Tensor = torch.Tensor
@@ -36,8 +35,7 @@ def flash_mla_forward(q: Tensor, kv: Tensor, indices: Tensor, scale: float, sink
     if padded != width:
         indices = torch.nn.functional.pad(indices, (0, padded - width), value=-1)
     out, _max_logits, lse = kernels.sparse_attn_fwd(q, kv.unsqueeze(1), indices.unsqueeze(1), scale, d_v=q.shape[-1],
-                                                    attn_sink=None if mutants.is_active(mutants.SINK_DROPPED_FORWARD)
-                                                    else sink, topk_length=topk_length, indexer_topk=0)
+                                                    attn_sink=sink, topk_length=topk_length, indexer_topk=0)
     return out, lse
 
 
@@ -46,12 +44,18 @@ def sparse_attention_backward(q: Tensor, kv: Tensor, out: Tensor, d_out: Tensor,
                               padding_rows: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dkv, d_sink`` from the backward kernel; padding rows' ``dO`` zeroed and ``lse`` set to ``+inf`` first
     (module docstring): they then contribute exactly 0 to every gradient."""
-    d_out = d_out.contiguous()
-    if padding_rows is not None and not mutants.is_active(mutants.PADDING_GRADS_NOT_ZEROED):
-        d_out = d_out.masked_fill(padding_rows.view(-1, 1, 1), 0)
-        lse = lse.masked_fill(padding_rows.view(-1, 1), float("inf"))
+    d_out, lse = mask_padding_rows(d_out.contiguous(), lse, padding_rows)
     res = kernels.sparse_attn_bwd(q, kv, out, d_out, lse, sink, indices, softmax_scale=scale, topk_length=topk_length)
     return res["dq"], res["dkv"], res["d_sink"].to(sink.dtype)
+
+
+def mask_padding_rows(d_out: Tensor, lse: Tensor, padding_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``dO (rows, n, D)`` zeroed and ``lse (rows, n)`` set to ``+inf`` on padding rows (module docstring): the
+    backward kernel then sends no gradient from them."""
+    if padding_rows is None:
+        return d_out, lse
+    return (d_out.masked_fill(padding_rows.view(-1, 1, 1), 0),
+            lse.masked_fill(padding_rows.view(-1, 1), float("inf")))
 
 
 def compact(indices: Tensor) -> tuple[Tensor, Tensor]:
@@ -65,8 +69,6 @@ def backward_index_state(indices: Tensor, topk_length: Optional[Tensor],
     """What the backward kernel gets after the forward consumed the compact ids: the ignored ``-1`` suffix made
     non-negative, and padding rows reduced to one placeholder slot (the kernel needs a non-empty row; their masked
     ``dO`` / ``lse`` make it contribute nothing)."""
-    if mutants.is_active(mutants.MINUS_ONE_AS_ZERO_BWD):
-        return indices.clamp_min(0), None  # every slot read, the -1 ones as key 0
     if topk_length is None:
         return indices, None
     if padding_rows is not None:

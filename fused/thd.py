@@ -10,7 +10,6 @@ import torch
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 
-from . import mutants
 from .index_maps import batch_of_row, real_row_mask_thd
 
 Tensor = torch.Tensor
@@ -43,9 +42,12 @@ class ThdMeta:
     def positions(self) -> Tensor:
         """RoPE position of every row: its offset from its padded segment's start (restarts per segment)."""
         rows = torch.arange(self.total, device=self.cu.device)
-        if mutants.is_active(mutants.GLOBAL_ROPE_POSITIONS):
-            return rows  # global across the pack
         return rows - self.cu.long()[batch_of_row(self.cu, self.total)]
+
+    def compressor_boundaries(self) -> Tensor:
+        """The boundaries the compressors segment the pack by: the **padded** ones (a segment's blocks start at its
+        padded start, like every other offset; the real boundaries only mark padding rows)."""
+        return self.cu
 
     def padding_rows(self) -> Optional[Tensor]:
         """Bool ``(T,)`` of rows that are not real tokens (alignment padding, dummy segments, slack).

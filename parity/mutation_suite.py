@@ -1,10 +1,10 @@
-"""The mutation suite (``dsv4-parity mutants``) — every planted bug of :mod:`fused.mutants` must fail the parity suite.
+"""The mutation suite (``dsv4-parity mutants``) — every planted bug of :mod:`parity.mutants` must fail the parity suite.
 
 For a suite (default ``smoke``), fused with the ``torch`` provider against the reference, in-process:
 
 1. the **clean run**: every case, unmutated, written to ``<out>/results.jsonl`` like ``dsv4-parity run`` (the HTML
    report of the run directory then shows the kill matrix too). Only cases that pass clean can kill a mutant;
-2. per mutant, the cases that hit one of its declared **reach cells** (:data:`CATALOGUE`, feature cells of
+2. per mutant, the cases that hit one of its declared **reach cells** (:data:`parity.mutants.MUTANTS`, feature cells of
    :func:`cases.coverage.features`), fastest first (clean duration), until the first case that fails or errors —
    the mutant is **killed** there (``--keep-going`` runs every reaching case);
 3. ``<out>/mutants.jsonl`` (``reports/mutants.py``): per kill one row per failing tensor of the killing case
@@ -12,7 +12,7 @@ For a suite (default ``smoke``), fused with the ``torch`` provider against the r
    ``noise_floor``, ``similarity``, ``aggregate``, ``tie_margin``, or ``error`` for an exception, tensor
    ``(exception)``); otherwise one row ``{mutant, status, null, null, null}``.
 
-A mutant is **survived** when some case executed its mutation point (``fused.mutants.reached``) and no case failed;
+A mutant is **survived** when some case executed its planted code (``parity.mutants.reached``) and no case failed;
 **unreachable** when no case of the selection hits a declared cell (the missing cells are printed) or none of the
 cases that do executed the point. Exit 0 iff the clean run passed and every mutant was killed; the last line reads
 ``mutants: K/N killed``.
@@ -28,8 +28,8 @@ from typing import Callable, Optional, Sequence
 
 from cases.case import Case
 from cases.coverage import Cell, cell_name, features, hits, parse_cell
-from fused import mutants
 
+from . import mutants
 from . import policy as policy_mod
 from . import runner
 from .engine import RunOptions, run_case
@@ -37,57 +37,15 @@ from .execution import load_impl
 
 DEFAULT_OUT = Path("reports") / "out" / "mutants"
 MUTANTS_NAME = "mutants.jsonl"
-ANY = ("",)  # reach cells of a mutant every case executes
 
 DESCRIPTION = """\
-Mutation suite: switch on each planted bug of fused.mutants in turn and run the suite (fused, --provider, against
+Mutation suite: switch on each planted bug of parity/mutants.py in turn and run the suite (fused, --provider, against
 the reference, in-process). A mutant is killed by the first case that passed clean and now fails or errors;
 survived if its mutation point ran and nothing failed; unreachable if no case hits one of its reach cells
 (`--list` shows them; the missing cell is printed). Writes <out>/results.jsonl (the clean run) and
 <out>/mutants.jsonl (the kill matrix of `dsv4-parity report <out>`). Exit 0 iff the clean run passed and every
 mutant was killed; the last line reads `mutants: K/N killed`.
 """
-
-#: mutant -> the feature cells of the cases that can reach (and expose) it; "" = any case. The first entry is the
-#: cell named when a suite misses them all.
-CATALOGUE: dict[str, tuple[str, ...]] = {
-    # 1. THD dense-loss backward without max_seqlen_q/k (the kernel contract refuses it)
-    "thd_dense_bwd_no_max_seqlen": ("layout=thd loss=dense",),
-    # 2. batch collapsed with a view instead of a permute (right only for one sequence)
-    "view_over_batch": ("layout=bshd loss=sparse sequences=2-3", "layout=bshd loss=sparse sequences=4+",
-                        "layout=bshd loss=dense sequences=2-3", "layout=bshd loss=dense sequences=4+"),
-    # 3. capacity-padding compressed rows out of bounds / onto a valid row
-    "invalid_comp_rows_oob": ("layout=thd capacity=over", "layout=thd capacity=production"),
-    "invalid_comp_rows_onto_valid": ("layout=thd capacity=over", "layout=thd capacity=production"),
-    # 4. real instead of padded boundaries in one stage (the attention compressor)
-    "compressor_real_offsets": ("alignment_padding=true ratio=4", "alignment_padding=true ratio=128"),
-    # 5. RoPE positions global across the pack (invisible to window keys: RoPE is relative; compressed keys see it)
-    "global_rope_positions": ("layout=thd ratio=4 sequences=2-3", "layout=thd ratio=4 sequences=4+",
-                              "layout=thd ratio=128 sequences=2-3", "layout=thd ratio=128 sequences=4+"),
-    # 6. compressed causal rule off by one
-    "compressed_causal_off_by_one": ("ratio=4", "ratio=128"),
-    # 7. r=4 overlap reaching into the previous segment
-    "overlap_crosses_segments": ("layout=thd ratio=4 sequences=2-3", "layout=thd ratio=4 sequences=4+"),
-    # 8. sink dropped from the forward softmax / from the teacher denominator
-    "sink_dropped_forward": ANY,
-    "sink_dropped_teacher": ("loss=sparse", "loss=dense"),
-    # 9. teacher normalised over the compressed set only
-    "teacher_compressed_only": ("loss=sparse", "loss=dense"),
-    # 10. -1 top-k slots used as index 0 in the backward
-    "minus_one_as_zero_bwd": ANY,
-    # 11. padding-row gradients not zeroed (slack rows alone see no key: they cannot show it)
-    "padding_grads_not_zeroed": ("alignment_padding=true", "dummy_tail=true"),
-    # 12. mean loss over all physical rows
-    "loss_over_physical_rows": ("layout=thd reduction=mean alignment_padding=true",
-                                "layout=thd reduction=mean dummy_tail=true", "layout=thd reduction=mean slack=true"),
-    # 13. top-k width K instead of min(K, n_comp) for short sequences
-    "topk_width_k_short": ("ratio=4 dense_mode=false topk_saturated=false",),
-    # 14. the indexer-loss gradient leaking into the attention branch
-    "indexer_grad_leaks": ("loss=sparse", "loss=dense"),
-    # 15. the sparse KL over the full top-k width, -1 slots included
-    "kl_full_width_nan": ("loss=sparse",),
-}
-
 
 @dataclass
 class Kill:
@@ -118,22 +76,14 @@ class MutantOutcome:
         return [{"mutant": self.name, "status": self.status, "case_id": None, "tensor": None, "check": None}]
 
 
-# ---- catalogue ----------------------------------------------------------------------------------------------------
+# ---- reach --------------------------------------------------------------------------------------------------------
 def reach_cells(name: str) -> list[Optional[Cell]]:
-    """Parsed reach cells of mutant ``name`` (``None`` = any case); unknown mutants reach any case."""
-    return [parse_cell(text) if text else None for text in CATALOGUE.get(name, ANY)]
+    """Parsed reach cells of mutant ``name`` (``None`` = any case)."""
+    return [parse_cell(text) if text else None for text in mutants.reach_cells(name)]
 
 
 def reaches(feats: dict, cells: Sequence[Optional[Cell]]) -> bool:
     return any(cell is None or hits(feats, cell) for cell in cells)
-
-
-def catalogue_problems(registered: Sequence[str]) -> list[str]:
-    """Registered mutants without declared cells, and declared names nobody registered."""
-    out = [f"mutant {n!r} has no reach cells in parity.mutation_suite.CATALOGUE (treated as reachable by any case)"
-           for n in registered if n not in CATALOGUE]
-    out += [f"CATALOGUE names {n!r}, which fused.mutants does not register" for n in CATALOGUE if n not in registered]
-    return out
 
 
 # ---- running ------------------------------------------------------------------------------------------------------
@@ -193,13 +143,13 @@ def describe(o: MutantOutcome) -> str:
                 + (f", {more} killing cases" if more > 1 else "") + ")")
     if o.status == "survived":
         return f"{head} ran {o.cases_run} reaching cases, none failed ({o.duration_s:.1f} s): strengthen a check"
-    cells = [c for c in CATALOGUE.get(o.name, ANY) if c]
+    cells = [c for c in mutants.reach_cells(o.name) if c]
     if o.reaching == 0 and cells and len(o.missing) == len(cells):
         return f"{head} the suite lacks cell {o.missing[0]}" + \
             (f" (or any of: {'; '.join(o.missing[1:])})" if len(o.missing) > 1 else "")
     if o.reaching == 0:
         return f"{head} no case that hits its cells passes clean"
-    return f"{head} {o.reaching} cases hit its cells but none executed the mutation point: fix its CATALOGUE cells"
+    return f"{head} {o.reaching} cases hit its cells but none executed the planted code: fix its reach cells (parity/mutants.py)"
 
 
 def write_rows(outcomes: Sequence[MutantOutcome], path: Path) -> Path:
@@ -250,4 +200,4 @@ def mutation_suite(cases: Sequence[Case], names: Sequence[str], out_dir: Path, *
     return counts, outcomes
 
 
-__all__ = ["CATALOGUE", "MutantOutcome", "mutation_suite", "run_mutant"]
+__all__ = ["MutantOutcome", "mutation_suite", "run_mutant"]

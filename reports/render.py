@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 from rich.console import Console
 
 from .baselines import BASELINES_ROOT, Baseline, default_baseline, load_baseline
@@ -28,6 +29,7 @@ class Rendered:
     html: Path | None
     drift: DriftResult | None
     baseline: Baseline | None
+    table: pd.DataFrame | None = None
 
 
 def gate_for(baseline: Baseline, **overrides: object) -> GateConfig:
@@ -61,4 +63,4 @@ def render_run(run: str | Path, *, baseline: str | None = "auto", console: Conso
         outputs = {k: str(v) for k, v in (("csv", csv_path), ("html", html_path)) if v is not None}
         render_terminal(data, table, console, drift=drift, baseline_name=base.name if base else None, top=top,
                         outputs=outputs)
-    return Rendered(data=data, csv=csv_path, html=html_path, drift=drift, baseline=base)
+    return Rendered(data=data, csv=csv_path, html=html_path, drift=drift, baseline=base, table=table)

@@ -126,8 +126,9 @@ def render_drift(drift: DriftResult, console: Console, *, baseline_name: str | N
         grid.add_column(name, justify="left" if name in ("class", "status") else "right")
     for row in drift.classes.itertuples(index=False):
         style = STATUS_STYLE.get(row.status, "")
-        grid.add_row(row.tensor_class, str(row.pairs), _ratio(row.median), _ratio(row.p90), _ratio(row.max),
-                     Text(_ratio(row.statistic), style=style), f"{row.factor:g}x", str(row.worse), str(row.better),
+        grid.add_row(row.tensor_class, str(row.pairs), ratio_text(row.median), ratio_text(row.p90),
+                     ratio_text(row.max), Text(ratio_text(row.statistic), style=style), f"{row.factor:g}x",
+                     str(row.worse), str(row.better),
                      Text(row.status, style=style))
     if not drift.classes.empty:
         console.print(grid)
@@ -147,7 +148,8 @@ def render_drift(drift: DriftResult, console: Console, *, baseline_name: str | N
     console.print(f"drift gate: {verdict} {'; '.join(reasons)}")
 
 
-def _ratio(value: float) -> str:
+def ratio_text(value: float) -> str:
+    """A drift ratio as ``1.23x``; ``-`` for missing."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:.2f}x"

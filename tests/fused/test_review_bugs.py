@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from fused import mutants
+from parity import mutants
 
 from .helpers import bshd_case, thd_case
 from .test_parity import assert_parity
@@ -22,7 +22,7 @@ THD_DENSE = thd_case(4, [(9, 12), (0, 0), (13, 16)], slack=2, capacity=9, dsa_in
 
 def test_missing_max_seqlen_in_thd_dense_backward_is_caught():
     assert_parity(THD_DENSE)
-    with mutants.activate(mutants.THD_DENSE_BWD_NO_MAX_SEQLEN):
+    with mutants.activate("thd_dense_bwd_no_max_seqlen"):
         with pytest.raises(ValueError, match="THD dense indexer backward requires batch and max_seqlen_q/k"):
             assert_parity(THD_DENSE)
 
@@ -30,7 +30,7 @@ def test_missing_max_seqlen_in_thd_dense_backward_is_caught():
 def test_view_over_a_batch_that_is_not_1_is_caught():
     batch2, batch1 = bshd_case(4, 2, 21), bshd_case(4, 1, 21)
     assert_parity(batch2)
-    with mutants.activate(mutants.VIEW_OVER_BATCH):
+    with mutants.activate("view_over_batch"):
         assert_parity(batch1)  # the view is right for a batch of 1: why the bug went unnoticed
         with pytest.raises(AssertionError, match="grad/core_attention.indexer"):
             assert_parity(batch2)
@@ -40,7 +40,7 @@ def test_invalid_compressed_rows_routed_out_of_bounds_is_caught():
     over = thd_case(4, [(9, 12), (13, 16)], slack=1, capacity=9)   # 7 true rows, 2 tail rows
     exact = thd_case(4, [(9, 12), (13, 16)], slack=1, capacity=7)
     assert_parity(over)
-    with mutants.activate(mutants.INVALID_COMP_ROWS_OOB):
+    with mutants.activate("invalid_comp_rows_oob"):
         assert_parity(exact)  # no tail row to misroute
         with pytest.raises(IndexError, match="out of bounds"):
             assert_parity(over)

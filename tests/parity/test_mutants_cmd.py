@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from cases.coverage import parse_cell
-from fused import mutants
+from parity import mutants
 from parity import mutation_suite as mutants_cmd
 from cli.main import main
 from parity.engine import RunOptions, run_case
@@ -33,32 +32,8 @@ def run_cli(tmp_path, capsys, cases, names):
     return code, stdout, rows, out
 
 
-def test_every_registered_mutant_declares_parseable_reach_cells():
-    registered = list(mutants.registered())
-    assert len(registered) >= 15
-    assert mutants_cmd.catalogue_problems(registered) == []
-    for name in registered:
-        for text in mutants_cmd.CATALOGUE[name]:
-            if text:
-                parse_cell(text)
-    # negative control: a registered mutant without cells, and a declared name nobody registered, are reported
-    problems = mutants_cmd.catalogue_problems(registered[1:] + ["planted_without_cells"])
-    assert any("planted_without_cells" in p for p in problems)
-    assert any(repr(registered[0]) in p for p in problems)
-
-
-def test_reach_is_recorded_only_for_active_mutants():
-    mutants.clear_reached()
-    assert not mutants.is_active(mutants.KL_FULL_WIDTH_NAN) and mutants.reached() == frozenset()
-    with mutants.activate(mutants.KL_FULL_WIDTH_NAN):
-        assert not mutants.is_active(mutants.SINK_DROPPED_FORWARD)
-        assert mutants.is_active(mutants.KL_FULL_WIDTH_NAN)
-    assert mutants.reached() == {mutants.KL_FULL_WIDTH_NAN}
-    mutants.clear_reached()
-
-
 def test_clean_cases_pass_and_planted_bugs_are_killed_end_to_end(tmp_path, capsys):
-    names = [mutants.KL_FULL_WIDTH_NAN, mutants.THD_DENSE_BWD_NO_MAX_SEQLEN, mutants.PADDING_GRADS_NOT_ZEROED]
+    names = ["kl_full_width_nan", "thd_dense_bwd_no_max_seqlen", "padding_grads_not_zeroed"]
     code, stdout, rows, out = run_cli(tmp_path, capsys, [SPARSE_THD, DENSE_THD_PADDED], names)
     assert "clean: 2 cases: 2 passed, 0 failed, 0 errors, 0 unsupported" in stdout, stdout
     assert stdout.strip().splitlines()[-1] == "mutants: 3/3 killed", stdout
@@ -79,22 +54,22 @@ def test_clean_cases_pass_and_planted_bugs_are_killed_end_to_end(tmp_path, capsy
 
 
 def test_a_mutant_whose_cells_the_selection_lacks_is_unreachable(tmp_path, capsys):
-    code, stdout, rows, _ = run_cli(tmp_path, capsys, [BSHD_WINDOW], [mutants.GLOBAL_ROPE_POSITIONS])
+    code, stdout, rows, _ = run_cli(tmp_path, capsys, [BSHD_WINDOW], ["global_rope_positions"])
     assert code == 1
     assert rows == [{"mutant": "global_rope_positions", "status": "unreachable", "case_id": None, "tensor": None,
                      "check": None}]
     line = next(l for l in stdout.splitlines() if l.startswith("UNREACHABLE"))
-    assert mutants_cmd.CATALOGUE["global_rope_positions"][0] in line, line
+    assert mutants.reach_cells("global_rope_positions")[0] in line, line
     assert stdout.strip().splitlines()[-1] == "mutants: 0/1 killed"
 
 
 def test_a_mutant_that_runs_but_changes_nothing_here_survives(monkeypatch):
     """Negative control: the .view over a batch of one is the right answer, so the suite cannot kill it there; the
     command must say 'survived', not 'killed' (and not 'unreachable': the point did execute)."""
-    monkeypatch.setitem(mutants_cmd.CATALOGUE, mutants.VIEW_OVER_BATCH, mutants_cmd.ANY)
+    monkeypatch.setitem(mutants.MUTANTS, "view_over_batch", mutants.dataclasses.replace(mutants.MUTANTS["view_over_batch"], reach=mutants.ANY))
     impl, against, options = load("fused"), load("reference"), RunOptions(provider="torch")
     clean = {BSHD_DENSE_BATCH1.id: ("pass", 0.0)}
-    outcome = mutants_cmd.run_mutant(mutants.VIEW_OVER_BATCH, [BSHD_DENSE_BATCH1], clean,
+    outcome = mutants_cmd.run_mutant("view_over_batch", [BSHD_DENSE_BATCH1], clean,
                                      lambda case: run_case(case, impl, against, options))
     assert (outcome.status, outcome.reached, outcome.kills, outcome.cases_run) == ("survived", True, [], 1)
     assert mutants_cmd.describe(outcome).startswith("SURVIVED")
@@ -104,7 +79,7 @@ def test_a_mutant_that_runs_but_changes_nothing_here_survives(monkeypatch):
 
 def test_cases_failing_clean_are_not_used_to_kill():
     calls = []
-    outcome = mutants_cmd.run_mutant(mutants.SINK_DROPPED_FORWARD, [BSHD_WINDOW], {BSHD_WINDOW.id: ("fail", 0.0)},
+    outcome = mutants_cmd.run_mutant("sink_dropped_forward", [BSHD_WINDOW], {BSHD_WINDOW.id: ("fail", 0.0)},
                                      calls.append)
     assert calls == [] and outcome.status == "unreachable" and outcome.reaching == 0
 
@@ -115,6 +90,6 @@ def test_unknown_mutant_is_a_usage_error(tmp_path, capsys):
 
 
 def test_the_clean_run_refuses_to_start_with_a_mutant_active(tmp_path):
-    name = mutants.SINK_DROPPED_FORWARD
+    name = "sink_dropped_forward"
     with mutants.activate(name), pytest.raises(RuntimeError, match="clean run would not be clean"):
         mutants_cmd.mutation_suite([BSHD_WINDOW], [name], tmp_path)

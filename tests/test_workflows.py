@@ -1,0 +1,168 @@
+"""The GitHub Actions workflows under .github/workflows: linted by actionlint, audited by zizmor (offline), every
+action pinned by commit, and the Makefile hooks they call.
+
+actionlint and zizmor come with the test extra (pyproject.toml); each tool's tests skip, naming the tool, only when
+it is not installed. Each tool also gets a negative control: a broken workflow it must reject.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+USES = re.compile(r"^\s*(?:-\s+)?uses:\s*(\S+)(.*)$")
+PINNED = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
+TAG_COMMENT = re.compile(r"#\s*v\d+\.\d+\.\d+\b")
+
+# A workflow with the mistakes each tool exists to catch (the negative controls).
+BROKEN = """\
+name: broken
+on:
+  pull_request_target:
+permissions: write-all
+jobs:
+  job:
+    runs-on: ubuntu-24.04
+    steps:
+      - uses: actions/checkout@v7
+        with:
+          ref: ${{ github.event.pull_request.head.sha }}
+      - run: echo "${{ github.event.pull_request.title }}" ${{ inputs.nonexistent }}
+"""
+
+
+def tool(name: str) -> str:
+    """The tool's executable: next to this interpreter (the venv's bin) or on PATH; skip when absent."""
+    search = os.pathsep.join([sysconfig.get_path("scripts"), str(Path(sys.executable).parent),
+                              os.environ.get("PATH", "")])
+    found = shutil.which(name, path=search)
+    if found is None:
+        pytest.skip(f"{name} is not installed (it comes with the test extra: pip install -e '.[test]')")
+    return found
+
+
+def run_tool(argv: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_COLOR": "1", "ZIZMOR_OFFLINE": "1"}
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+
+
+def test_the_workflows_exist():
+    names = {path.name for path in WORKFLOWS}
+    assert {"parity-gpu.yml", "parity-megatron.yml", "ci.yml"} <= names
+
+
+def test_actionlint_accepts_the_workflows():
+    result = run_tool([tool("actionlint"), "-no-color", *map(str, WORKFLOWS)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_actionlint_rejects_a_broken_workflow(tmp_path):
+    broken = tmp_path / "broken.yml"
+    broken.write_text(BROKEN)
+    result = run_tool([tool("actionlint"), "-no-color", str(broken)])
+    assert result.returncode == 1 and "nonexistent" in result.stdout
+
+
+def test_zizmor_offline_finds_nothing():
+    result = run_tool([tool("zizmor"), "--offline", "--persona", "pedantic", "--no-progress",
+                       str(ROOT / ".github" / "workflows")])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_zizmor_offline_rejects_a_broken_workflow(tmp_path):
+    broken = tmp_path / "broken.yml"
+    broken.write_text(BROKEN)
+    result = run_tool([tool("zizmor"), "--offline", "--persona", "pedantic", "--no-progress", str(broken)])
+    assert result.returncode != 0
+    for audit in ("dangerous-triggers", "template-injection", "unpinned-uses", "artipacked"):
+        assert audit in result.stdout, audit
+
+
+def pin_problems(text: str, name: str) -> list[str]:
+    """Every remote ``uses:`` must name a 40-hex commit with its release tag in a comment; local ones are fine."""
+    problems = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        match = USES.match(line)
+        if not match or match.group(1).startswith("./"):
+            continue
+        ref, rest = match.groups()
+        if not PINNED.match(ref):
+            problems.append(f"{name}:{lineno}: {ref} is not pinned by commit")
+        elif not TAG_COMMENT.search(rest):
+            problems.append(f"{name}:{lineno}: {ref} lacks its '# vX.Y.Z' tag comment")
+    return problems
+
+
+def test_every_action_is_pinned_by_commit_with_its_tag():
+    problems = [p for path in WORKFLOWS for p in pin_problems(path.read_text(), path.name)]
+    assert not problems, "\n".join(problems)
+    assert pin_problems(BROKEN, "broken") == ["broken:9: actions/checkout@v7 is not pinned by commit"]
+    assert pin_problems("- uses: a/b@" + "0" * 40, "x") == ["x:1: a/b@" + "0" * 40 + " lacks its '# vX.Y.Z' tag comment"]
+
+
+def privilege_problems(text: str, name: str) -> list[str]:
+    """No ``pull_request_target``, no inherited secrets, ``permissions: {}`` at the top (each job asks for what it
+    needs), and no checkout that leaves its token in .git/config."""
+    problems = []
+    if "pull_request_target" in text:
+        problems.append(f"{name}: pull_request_target runs with the base repository's privileges")
+    if "secrets: inherit" in text:
+        problems.append(f"{name}: secrets: inherit")
+    if not re.search(r"^permissions: \{\}$", text, re.M):
+        problems.append(f"{name}: top-level permissions must be {{}}")
+    if text.count("uses: actions/checkout@") != text.count("persist-credentials: false"):
+        problems.append(f"{name}: a checkout without persist-credentials: false")
+    return problems
+
+
+def test_no_workflow_runs_untrusted_code_with_privileges():
+    problems = [p for path in WORKFLOWS for p in privilege_problems(path.read_text(), path.name)]
+    assert not problems, "\n".join(problems)
+    assert len(privilege_problems(BROKEN, "broken")) == 3  # negative control: all but inherited secrets
+
+
+def make_variables() -> set[str]:
+    return set(re.findall(r"^([A-Z_]+)\s*[?:]?=", (ROOT / "Makefile").read_text(), re.M))
+
+
+def shadowed_make_variables(text: str, names: set[str]) -> list[str]:
+    """Keys of a workflow's ``env:`` maps named like a Makefile variable: exported, an empty one would defeat the
+    Makefile's ``?=`` default (``SUITE=`` in the environment runs ``--suite`` with nothing)."""
+    return [key for key in re.findall(r"^\s+([A-Z_]+):", text, re.M) if key in names]
+
+
+def test_no_workflow_env_shadows_a_makefile_variable():
+    names = make_variables()
+    assert {"SUITE", "PROVIDER", "OUT", "JUNIT", "RUN_ARGS", "BASELINE"} <= names
+    for path in WORKFLOWS:
+        assert not shadowed_make_variables(path.read_text(), names), path.name
+    assert shadowed_make_variables("    env:\n      SUITE: ${{ inputs.suite }}\n", names) == ["SUITE"]
+
+
+def make_dry_run(*args: str) -> str:
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    result = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(ROOT), "PYTHON=python3", "SUITE=smoke", "PROVIDER=auto", *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return " ".join(result.stdout.replace("\\\n", " ").split())
+
+
+def test_make_parity_is_unchanged_without_the_ci_hooks_and_passes_them_on():
+    plain = make_dry_run("parity")
+    assert plain == ("python3 -m cli run --suite smoke --provider auto --workers auto --out reports/out/latest "
+                     "--make-default")
+    hooked = make_dry_run("parity", "JUNIT=out/junit.xml", "RUN_ARGS=--impl megatron --megatron /src/Megatron-LM")
+    assert hooked == plain + " --junit out/junit.xml --impl megatron --megatron /src/Megatron-LM"
+    assert make_dry_run("drift", "OUT=out") == "python3 -m cli compare out --baseline auto"
+    assert make_dry_run("summary", "OUT=out", "BASELINE=production") == (
+        "python3 -m cli report out --format markdown --no-html --no-csv --baseline production")
