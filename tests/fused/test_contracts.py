@@ -248,11 +248,11 @@ class LaxKernels(TorchKernels):
 
 
 class DecliningKernels(TorchKernels):
-    """A provider whose kernel shape support declines every call."""
+    """A provider whose kernel shape support declines every indexer forward."""
 
     name = "declining"
 
-    def check_support(self, stage, *args, **kwargs):
+    def support_indexer_forward(self, arguments):
         return "declines everything"
 
 
@@ -282,6 +282,7 @@ def test_the_contract_is_checked_before_provider_selection(test_providers):
     """A contract violation is the wrapper's error even where the chosen provider would decline the call; a valid
     call is declined (negative control)."""
     stage, changes, exc, message = VIOLATIONS[0]
+    assert stage == "indexer_forward"
     with pytest.raises(plan_mod.StageUnsupported, match="declines everything"):
         call(stage, BASELINES[stage](), provider="declining")
     with pytest.raises(exc, match=message):
