@@ -29,7 +29,7 @@ endif
 
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: help parity test test-all report drift summary mutants bench cases venv clean
+.PHONY: help parity test test-all report drift summary mutants bench cases venv clean clean-cache
 
 help:
 	@echo "make parity   run the parity suite (SUITE=$(SUITE), PROVIDER=$(PROVIDER)) and write a report under reports/out/"
@@ -39,6 +39,7 @@ help:
 	@echo "make summary  OUT's run as markdown on stdout, <= 64 KiB (CI job summary, PR comment)"
 	@echo "make mutants  run the mutation suite (every planted bug must be caught)"
 	@echo "make bench    benchmark the reference, the fused path and the harness"
+	@echo "make clean-cache  delete the compiled-kernel cache (\$$DSV4_PARITY_CACHE_DIR, default ~/.cache/dsv4-parity)"
 	@echo "Variables: PYTHON=python3 (use an existing interpreter, e.g. CUDA torch), SUITE, PROVIDER, OUT, WORKERS,"
 	@echo "           JUNIT, RUN_ARGS, BASELINE"
 
@@ -76,6 +77,9 @@ bench: $(BOOTSTRAP)
 
 cases: $(BOOTSTRAP)
 	$(PY) -m cli cases --suite $(SUITE)
+
+clean-cache: $(BOOTSTRAP)
+	$(PY) -m cli cache --clear
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis reports/out

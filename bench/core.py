@@ -6,7 +6,7 @@ Sections (``--sections``, all by default):
   reference: time (median of the repeats), model TFLOP/s (:mod:`bench.flops`) and its share of the H200's
   measured bf16 dense peak (CUDA only), peak memory above the inputs. For the fused path also the time of every
   kernel call (observed at the dispatcher, :class:`bench.measure.KernelRecorder`) and the **composition ratio** =
-  fused forward + backward / sum of its kernels' times (a target at core scope, :data:`TARGETS`).
+  fused forward + backward / sum of its kernels' times (a target at core scope, :data:`bench.targets.TARGETS`).
 * ``stages`` — per stage (compressor, indexer forward, top-k, sparse attention forward / backward, score
   recompute, indexer backward): the fused kernels' time in the core-scope run next to the reference's stage
   function timed in isolation on inputs of the same shapes (:func:`bench.workloads.reference_stages`).
@@ -19,11 +19,13 @@ Sections (``--sections``, all by default):
   the dense loss; and the memory of single reference functions (the dense-loss teacher, the indexer scores and the
   sparse attention with autograd) — each series gets a log-log slope; a superlinear *memory* slope of a function
   becomes a finding that names it (module, function, file:line).
+* ``gate`` (only when named) — the whole gate suite as ``dsv4-parity run`` subprocesses, cold (empty compiled-kernel
+  cache) then warm (the same cache): wall time, phases, compiles and loads per kernel (:mod:`bench.gate`).
 * ``harness`` — a parity run of ``--harness-suite`` (in-process; the time split by the engine's own per-case
   ``phases_s``, :mod:`bench.harness`): cases per minute, and the share of the time spent outside the two
   implementations' runs.
 
-Targets (reported against, never asserted; the limits live in :data:`TARGETS` only): the smoke suite on 2 CPU
+Targets (reported against, never asserted; the limits live in :data:`bench.targets.TARGETS` only): the smoke suite on 2 CPU
 cores and the gate suite (≥ 200 cases) on one H200 within their minutes; the reference runs a 32K-token Pro pack on
 one H200 without OOM (CUDA with the ``pro`` profile: a reference layer forward + backward on 32768 tokens in
 segments of ``--segment-len``); the harness overhead share; fused forward + backward within the composition ratio
@@ -55,6 +57,7 @@ import platform
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -68,10 +71,12 @@ from bench.measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_mem
                             time_call)
 from bench.output import SCHEMA, jsonable
 from bench.scaling import findings_from_fits, fit_series, function_series
+from bench.targets import TARGETS
 from bench.workloads import (StageCall, Workload, clear_caches, forward_backward,
                               fused_compressor_stage, make_tensors, reference_stages, tensor_bytes)
 
 SECTIONS = ("e2e", "stages", "breakdown", "scaling", "harness")
+OPT_IN_SECTIONS = ("gate",)  # only when named: the whole gate suite, cold and warm (bench/gate.py)
 #: Share of the remaining budget each section may use when it starts (the last one takes what is left).
 SECTION_SHARE = {"e2e": 0.45, "stages": 0.35, "breakdown": 0.3, "scaling": 0.45, "harness": 1.0}
 
@@ -94,15 +99,6 @@ STAGE_GROUPS = (
                          "dense_attn_score_recompute", "dense_indexer_score_recompute"), "score_recompute"),
     ("indexer backward", ("indexer_backward", "dense_indexer_backward"), "indexer_backward"),
 )
-
-#: The bench's targets, the one place their limits are written (:func:`evaluate_targets` reports against them).
-TARGETS = {
-    "smoke_cpu_minutes": 2.0,
-    "gate_gpu_minutes": 10.0,
-    "harness_overhead_share": 0.15,
-    "composition_ratio": 1.2,
-}
-
 
 # ---- settings -----------------------------------------------------------------------------------------------------------
 def parse_tokens(text: str) -> list[int]:
@@ -153,6 +149,7 @@ class Settings:
     peak_tflops: Optional[float] = None
     threads: Optional[int] = None
     quiet: bool = False
+    gate: Optional[dict] = None  # gate section options (suite, provider, workers, limit, runs, cache_dir, dir)
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -175,8 +172,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     tokens = parse_tokens(args.tokens) if args.tokens else list(d["tokens"])
     sections = _csv(args.sections) or list(SECTIONS)
     for s in sections:
-        if s not in SECTIONS:
-            raise CaseError("sections", f"unknown section {s!r} (known: {', '.join(SECTIONS)})")
+        if s not in SECTIONS + OPT_IN_SECTIONS:
+            raise CaseError("sections", f"unknown section {s!r} (known: {', '.join(SECTIONS + OPT_IN_SECTIONS)})")
     scopes = _csv(args.scope) or ["core", "layer"]
     for s in scopes:
         if s not in ("core", "layer"):
@@ -196,6 +193,9 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         harness_suite=args.harness_suite or d["harness_suite"],
         harness_limit=d["harness_limit"] if args.harness_limit is None else args.harness_limit,
         harness_report=not args.no_harness_report,
+        gate=dict(suite=args.gate_suite, provider=args.gate_provider, workers=args.gate_workers,
+                  limit=args.gate_limit, runs=_csv(args.gate_runs) or ["cold", "warm"],
+                  cache_dir=args.gate_cache_dir, dir=args.gate_dir, budget_s=args.gate_budget_s),
         peak_tflops=args.peak_tflops if args.peak_tflops is not None else (
             H200_BF16_PEAK_TFLOPS if device == "cuda" else None),
         threads=args.threads if args.threads is not None else (1 if device == "cpu" else None),
@@ -684,6 +684,16 @@ def evaluate_targets(report: dict, s: Settings) -> list[dict]:
                            f"worst of {len(graphed)} breakdown rows ({worst['profile']} T={worst['tokens']}): the "
                            f"step captured once and replayed (no host launch cost); the rest is the eager "
                            f"composition's device work"))
+    gate = report.get("gate") or {}
+    whole_gate = gate.get("suite") == "gate" and not gate.get("limit") and s.device == "cuda"
+    for run in gate.get("runs", []):
+        if run.get("target_s") is not None and "wall_s" in run:
+            out.append(_target(f"PR gate, {run['run']} compiled-kernel cache, one H200",
+                               f"<= {run['target_s'] / 60:g} min, no failure", round(run["wall_s"] / 60, 2), "min",
+                               run["met"] if whole_gate else None,
+                               f"{gate.get('suite')} suite, {run['cases']} cases {run['outcomes']}, exit "
+                               f"{run['exit_code']}, compiled {run['compile']['totals'].get('compiled', 0)} kernels"
+                               + ("" if whole_gate else " (not the whole gate suite on CUDA: not judged)")))
     return out
 
 
@@ -747,8 +757,26 @@ def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], 
     if "harness" in settings.sections:
         bench.run_harness()
         done("harness")
+    if "gate" in settings.sections:
+        report["gate"] = run_gate_section(settings, log)
+        done("gate")
     clear_caches()
     free_memory(settings.device)
     report["targets"] = evaluate_targets(report, settings)
     report["duration_s"] = round(time.perf_counter() - start, 2)
     return jsonable(report)
+
+
+def run_gate_section(settings: Settings, log: Callable[[str], None]) -> dict:
+    """The ``gate`` section (:func:`bench.gate.gate_section`); runs under ``--gate-dir`` (default
+    ``reports/out/bench/gate-<time>``), bound by ``--gate-budget-s`` rather than ``--budget-s`` (a gate run is timed
+    whole: a run that cannot start in time is skipped, one that is running is cut at the deadline)."""
+    from bench.gate import gate_section
+    from parity.runner import DEFAULT_OUT_ROOT
+
+    g = dict(settings.gate or {})
+    root = Path(g.get("dir") or DEFAULT_OUT_ROOT / "bench" / f"gate-{_dt.datetime.now():%Y%m%d-%H%M%S}")
+    return gate_section(root, suite=g.get("suite") or "gate", provider=g.get("provider") or "cudnn",
+                        workers=g.get("workers") or "auto", limit=g.get("limit"), runs=g.get("runs") or ("cold", "warm"),
+                        cache_dir=Path(g["cache_dir"]) if g.get("cache_dir") else None, budget_s=g.get("budget_s"),
+                        log=log)

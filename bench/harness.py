@@ -25,15 +25,25 @@ from reports.render import render_run
 IMPLEMENTATION_PHASES = ("impl", "reference")
 
 
-def engine_phases(results_path: Path) -> dict[str, float]:
-    """Seconds per engine phase, summed over the case rows of a ``results.jsonl``."""
-    seconds: dict[str, float] = {}
-    with open(results_path) as f:
-        for line in f:
+def case_rows(results_path: Path) -> list[dict]:
+    """The ``case`` rows of a ``results.jsonl`` (a torn last line of a killed run is skipped)."""
+    rows = []
+    for line in results_path.read_text(encoding="utf-8").splitlines():
+        try:
             row = json.loads(line)
-            if row.get("type") == "case":
-                for phase, value in (row.get("phases_s") or {}).items():
-                    seconds[phase] = seconds.get(phase, 0.0) + value
+        except json.JSONDecodeError:
+            continue
+        if row.get("type") == "case":
+            rows.append(row)
+    return rows
+
+
+def engine_phases(rows: list[dict]) -> dict[str, float]:
+    """Seconds per engine phase (``phases_s``), summed over case rows (:func:`case_rows`)."""
+    seconds: dict[str, float] = {}
+    for row in rows:
+        for phase, value in (row.get("phases_s") or {}).items():
+            seconds[phase] = seconds.get(phase, 0.0) + float(value)
     return seconds
 
 
@@ -76,7 +86,7 @@ def harness_throughput(s: Any, log: Callable[[str], None], deadline: Optional[fl
             t0 = time.perf_counter()
             got, _code = run(batch, config)
             total += time.perf_counter() - t0
-            for phase, value in engine_phases(out_dir / "results.jsonl").items():
+            for phase, value in engine_phases(case_rows(out_dir / "results.jsonl")).items():
                 seconds[phase] = seconds.get(phase, 0.0) + value
             ran += len(batch)
             counts = {k: counts.get(k, 0) + v for k, v in got.items()}

@@ -7,13 +7,15 @@ generator of ``"{seed}/{name}#{i}"``; the chunks are drawn on the run's threads.
 normals take a vectorised path on AVX2/AVX512 hosts and a scalar one elsewhere (Arm hosts such as GH200 runners)
 and differ between them, float64 normals do not. So the values do not depend on the thread count or the host, the
 same case gives bit-identical tensors on every run and every machine of the same device type, and adding a tensor
-never changes the others.
+never changes the others. ``DSV4_PARITY_DRAW_THREADS`` sets the number of drawing threads (default: the run's
+intra-op threads); the values do not depend on it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -75,6 +77,15 @@ def parameter_shapes(config: ModelConfig, scope: str) -> dict[str, tuple]:
 
 
 CHUNK = 1 << 20  # a tensor with more elements is drawn in independently seeded chunks of this many
+DRAW_THREADS_ENV = "DSV4_PARITY_DRAW_THREADS"
+
+
+def draw_threads() -> int:
+    """Threads that draw a case's chunks: ``$DSV4_PARITY_DRAW_THREADS`` or the run's intra-op thread count. The
+    draws are CPU-bound (float64 normals: ~90 % of a gate case's materialize time), so on a GPU runner whose workers
+    are mostly waiting on the GPU more threads than a worker's intra-op share shorten the phase."""
+    value = os.environ.get(DRAW_THREADS_ENV, "").strip()
+    return max(1, int(value)) if value.isdigit() else torch.get_num_threads()
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -134,7 +145,7 @@ class _Draw:
 
 def _draw_all(seed: int, draws: list[_Draw]) -> dict[str, torch.Tensor]:
     """``{d.name: final tensor}``: every chunk of every tensor is drawn, finished and cast straight into its slice of a
-    preallocated output, all on ``torch.get_num_threads()`` threads (the run's intra-op budget). Each chunk has its own
+    preallocated output, all on :func:`draw_threads` threads. Each chunk has its own
     generator and ``finish`` is elementwise, so this gives the values of drawing every tensor whole, one after the
     other (:func:`_randn`, :func:`initial_value`), whatever the thread count."""
     outs = {d.name: torch.empty(d.shape, dtype=d.dtype) for d in draws}
@@ -148,7 +159,7 @@ def _draw_all(seed: int, draws: list[_Draw]) -> dict[str, torch.Tensor]:
         x = _draw_into(torch.empty(b - a, dtype=torch.float64), seed, d.name + suffix)
         out.copy_(x if d.finish is None else d.finish(x, a, b))
 
-    threads = min(torch.get_num_threads(), len(tasks))
+    threads = min(draw_threads(), len(tasks))
     if threads <= 1 or sum(out.numel() for out in outs.values()) <= CHUNK:
         for task in tasks:
             run(*task)

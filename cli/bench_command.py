@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import bench.core as bench_core
-from bench.core import SECTIONS, resolve_settings, run_bench
+from bench.core import OPT_IN_SECTIONS, SECTIONS, resolve_settings, run_bench
 from bench.output import render_tables, write_plot
 from bench.workloads import LAYOUTS, LOSSES
 from cases.errors import CaseError
@@ -53,6 +53,7 @@ examples:
   dsv4-parity bench --json out/bench.json             # + out/bench.png
   dsv4-parity bench --profile kernel,flash,pro --tokens 4K,8K,16K,32K,64K --json $OUT/bench.json   # one H200
   dsv4-parity bench --sections harness --harness-suite smoke --harness-limit 0   # the whole smoke suite
+  dsv4-parity bench --sections gate --json $OUT/gate.json   # one H200: the gate suite cold, then warm
 
 Numbers are reported, never asserted (exit 0 unless the options are wrong). Everything that does not fit the
 --budget-s deadline, exceeds --ref-max-tokens or runs out of memory is listed as skipped / oom in the JSON.
@@ -63,7 +64,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     """Register ``bench`` on the ``dsv4-parity`` subparsers."""
     p = subparsers.add_parser(
         "bench", help="benchmark the fused path, the reference and the harness (reported, never asserted)",
-        description=bench_core.__doc__.split("\n\n")[0] + "\n\n" + "Sections: e2e, stages, breakdown, scaling, harness "
+        description=bench_core.__doc__.split("\n\n")[0] + "\n\n" + "Sections: e2e, stages, breakdown, scaling, harness, gate "
         "(see the module docstring of bench/core.py for what each measures).", epilog=BENCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", help="profiles, comma-separated (CPU default tiny; CUDA kernel,flash,pro)")
@@ -76,7 +77,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     p.add_argument("--loss", default="sparse", choices=LOSSES, help="indexer loss (default sparse)")
     p.add_argument("--dtype", help="activation dtype (CPU default float32, CUDA bfloat16)")
     p.add_argument("--scope", help="core and/or layer, comma-separated (default core,layer)")
-    p.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)} (default all)")
+    p.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS + OPT_IN_SECTIONS)} (default all but "
+                                       f"{','.join(OPT_IN_SECTIONS)})")
     p.add_argument("--provider", default="auto", choices=("auto", "torch", "cudnn", "flashmla"),
                    help="fused kernel provider (default auto: the best per stage)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -95,6 +97,16 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     p.add_argument("--threads", type=int,
                    help="torch intra-op threads (CPU default 1: on a shared machine two threads make the timings "
                         "bimodal; CUDA default: unchanged)")
+    p.add_argument("--gate-suite", default="gate", help="suite of the gate section (default gate)")
+    p.add_argument("--gate-provider", default="cudnn", help="--provider of the gate runs (default cudnn)")
+    p.add_argument("--gate-workers", default="auto", help="--workers of the gate runs (default auto)")
+    p.add_argument("--gate-limit", type=int, help="--limit of the gate runs (default: the whole suite)")
+    p.add_argument("--gate-runs", help="cold and/or warm, in order (default cold,warm; cold empties the cache)")
+    p.add_argument("--gate-cache-dir", help="compiled-kernel cache of the gate runs (default <gate dir>/kernel-cache)")
+    p.add_argument("--gate-budget-s", type=float,
+                   help="deadline of the gate section in seconds (default none): runs that cannot start are skipped, "
+                        "a running one is cut")
+    p.add_argument("--gate-dir", help="where the gate runs write (default reports/out/bench/gate-<time>)")
     p.add_argument("--json", metavar="PATH", help="write the JSON here (default reports/out/bench/bench-<time>.json)")
     p.add_argument("--plot", metavar="PATH", help="write the PNG here (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true", help="no PNG")

@@ -27,7 +27,8 @@ from parity.results import summary_line
 from parity.runner import RunConfig, new_run_id, point_link, resolve_out_dir, run
 from parity.shard import parse_workers
 
-from cli import bench_command, cases_command, compare_runs_command, mutants_command, report_command
+from cli import (bench_command, cache_command, cases_command, compare_runs_command, mutants_command,
+                 report_command)
 from cli.options import (add_implementation_options, add_output_options, add_selection_options, run_options,
                          select_cases)
 
@@ -206,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also measure failing cases (default: passing cases only)")
     cal.set_defaults(func=cmd_calibrate)
 
-    for command in (cases_command, report_command, mutants_command, bench_command, compare_runs_command):
+    for command in (cases_command, report_command, mutants_command, bench_command, compare_runs_command,
+                    cache_command):
         command.add_parsers(sub)
     return parser
 

@@ -107,8 +107,8 @@ def auto_workers(device: str, gpus: int, cores: int) -> int:
     on CPU (or with no visible GPU) 1.
 
     Why several workers per GPU: a GPU sweep such as ``gate`` is host-bound, not GPU-bound. Its time goes to
-    first-call CuTe-DSL JIT compiles (tens of kernels at 5-17 s each, single-threaded; the DSL's file cache lets the
-    next process load what one compiled) and to ~1 s of CPU-side tensor draws per case, while the GPU mostly idles;
+    first-call CuTe-DSL JIT compiles (tens of kernels at 5-17 s each, single-threaded; ``fused.kernels.compile_cache``
+    lets the workers compile each once and later runs load them) and to ~1 s of CPU-side tensor draws per case, while the GPU mostly idles;
     more processes per GPU overlap that host work. The bounds: one worker per 4 cores at most (one per GPU at
     least), so each keeps cores for its draws and compiles (:func:`plan_slots` gives it ``cores // workers``
     threads); at most 4 share one GPU, which bounds the GPU memory that concurrent cases hold (a case that still runs

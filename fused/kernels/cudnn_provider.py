@@ -14,10 +14,15 @@ production applies around the kernel, then calls the wrapper under
   takes 16, 32 or 64 heads per KV head and is padded up to the next of those.
 * index width: the sparse indexer backward needs ``K % 128 == 0`` (``block_I``); ids are padded with ``-1`` and
   both score rows with 0, and the in-place score gradient is copied back into the caller's ``attn_score``.
+* compile-key bucketing: the sm90 sparse-attention backward compiles one CuTe-DSL kernel per index width
+  (``max_topk`` is in its compile key, 6-11 s each). Its ids are padded with ``-1`` (ignored slots, as past
+  ``topk_length``) to a multiple of 128, the width the FlashMLA forward already pads the same ids to on sm90, so
+  every width in a bucket shares one compiled kernel; the extra slots add exact zeros.
 
-Kernel shape support (the ``support_<stage>`` methods behind :meth:`~.base.KernelSet.check_support`) declines what no wrapper on the running architecture
-accepts — bf16 only, head dims 128 (indexer) / 512 or 576 (attention), empty inputs, sm100-only options — with a
-reason, so a plan falls back to ``torch`` (``auto``) or reports ``unsupported`` (a required provider).
+Kernel shape support (the ``support_<stage>`` methods behind :meth:`~.base.KernelSet.check_support`) declines what
+no wrapper on the running architecture accepts — bf16 only, head dims 128 (indexer) / 512 or 576 (attention),
+empty inputs, sm100-only options — with a reason, so a plan falls back to ``torch`` (``auto``) or reports
+``unsupported`` (a required provider).
 
 Production policy on sm90: Megatron refuses the DSv4 *dense* indexer loss (ratio-4 indexer, dense KL) on SM90
 ("the cuDNN Frontend SM90 dense DSA kernels are not reliable for this path"). The dense score recompute and dense
@@ -34,6 +39,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import compile_cache
 from .base import KernelSet, Tensor, TupleDict
 from .device_support import (cuda_unavailable_reason, device_major, dtype_reason, first_reason, into,
                              on_device, pad_dim, placement_reason, round_up)
@@ -46,13 +52,23 @@ ATTENTION_HEAD_DIMS = (512, 576)
 INDEXER_BWD_BLOCK_I = 128
 INDEXER_BWD_MAX_ROWS = 65535       # the sparse indexer backward's grid is (S_q, B)
 TOP_K_MAX = 2048
+SM90_BWD_INDEX_BUCKET = 128        # sparse-attention backward: index width padded to a multiple of this (compile key)
 SM90_DENSE_REFUSAL = ("production refuses the DSv4 dense indexer loss (ratio-4 indexer) on SM90: the cuDNN Frontend "
                       "SM90 dense DSA kernels are not reliable for this path (Megatron transformer_config check)")
 
 
 def _dsa():
+    """``cudnn.DSA``, with the compiled-kernel caches pointed at the project's directory before the CuTe DSL is
+    imported and the wrappers' compile caches made persistent (:mod:`.compile_cache`)."""
+    if not _INSTALLED:
+        compile_cache.configure_environment()
     from cudnn import DSA  # noqa: PLC0415 - optional dependency, imported on first use
+    if not _INSTALLED:
+        _INSTALLED.append(compile_cache.install())
     return DSA
+
+
+_INSTALLED: list = []
 
 
 def _padded_heads(heads: int) -> int:
@@ -271,6 +287,8 @@ class CudnnKernels(KernelSet):
             # zero q / out / dO and LSE 0 with a -inf sink: the padded heads' P·(dP - D) and P·dO are exactly 0
             q, out, dout = (pad_dim(t, 1, padded) for t in (q, out, dout))
             lse, attn_sink = pad_dim(lse, 1, padded), pad_dim(attn_sink, 0, padded, float("-inf"))
+        if device_major(q) == 9:  # one compiled kernel per width bucket; -1 slots are ignored by the kernel
+            topk_idxs = pad_dim(topk_idxs, -1, round_up(topk_idxs.shape[-1], SM90_BWD_INDEX_BUCKET), -1)
         direct = padded == heads
         with on_device(q):
             res = _dsa().sparse_attention_backward_wrapper(

@@ -224,6 +224,31 @@ def test_chunked_draws_do_not_depend_on_the_thread_count():
         assert torch.equal(x, y), name
 
 
+def test_draw_threads_setting_changes_the_pool_not_the_values(monkeypatch):
+    """``DSV4_PARITY_DRAW_THREADS`` sizes the drawing pool (the pool really gets that many workers) and the values
+    stay bit-identical to the one-thread draws."""
+    from cases import tensors
+
+    draws = [_Draw("big", (3 * CHUNK + 1,), torch.bfloat16, lambda x, a, b: x * 0.5)]
+    with num_threads(1):
+        one = _draw_all(5, draws)
+    sizes = []
+    real_pool = tensors.ThreadPoolExecutor
+
+    def recording_pool(n):
+        sizes.append(n)
+        return real_pool(n)
+
+    monkeypatch.setattr(tensors, "ThreadPoolExecutor", recording_pool)
+    monkeypatch.setenv(tensors.DRAW_THREADS_ENV, "3")
+    with num_threads(1):
+        three = _draw_all(5, draws)
+    assert sizes == [3] and torch.equal(one["big"], three["big"])
+    monkeypatch.setenv(tensors.DRAW_THREADS_ENV, "junk")  # ignored: the run's threads (1, no pool)
+    with num_threads(1):
+        assert torch.equal(_draw_all(5, draws)["big"], one["big"]) and sizes == [3]
+
+
 def test_materialize_twice_is_bit_identical():
     case = gate_case()
     a, b = materialize(case), materialize(case)

@@ -185,6 +185,41 @@ def test_sparse_attn_bwd_head_padding(sm90):
         assert got[name].shape == ref[name].shape and _close(got[name], ref[name]), name
 
 
+def _path_a_ids(t=12, kk=37, n_kv=40):
+    """Path A style ids: no ``topk_length``, ``-1`` holes the kernel must skip, a width that is no multiple of 128."""
+    ids = torch.randint(-1, n_kv, (t, kk), generator=torch.Generator().manual_seed(21)).int()
+    ids[:, -3:] = -1
+    return ids
+
+
+@pytest.mark.parametrize("with_length", [False, True])
+def test_sparse_attn_bwd_index_width_bucketed_to_128(sm90, with_length):
+    """sm90: the backward's ids are padded with -1 to a multiple of 128 (its compile key holds the width); the
+    gradients equal the unpadded call's exactly (the padded slots are ignored)."""
+    q, kv, out, dout, lse, sink, ids, length = _attn(h=64, kk=24)
+    if not with_length:
+        ids, length = _path_a_ids(), None
+    got = CudnnKernels().sparse_attn_bwd(q, kv, out, dout, lse, sink, ids, softmax_scale=0.05, topk_length=length)
+    ref = TK.sparse_attn_bwd(q, kv, out, dout, lse, sink, ids, softmax_scale=0.05, topk_length=length)
+    sent = [a for s, a, _ in sm90 if s == "sparse_attn_bwd"][0][6]
+    assert sent.shape[-1] == 128 and torch.equal(sent[:, :ids.shape[-1]], ids) and (sent[:, ids.shape[-1]:] == -1).all()
+    for name in ("dq", "dkv", "d_sink"):
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_sparse_attn_bwd_index_bucket_check_has_teeth(sm90, monkeypatch):
+    """Negative control: padding the ids with 0 (a real key) instead of -1 changes the Path A gradients."""
+    def zero_pad(t, dim, size, value=0.0):
+        return device_support.pad_dim(t, dim, size, 0 if value == -1 else value)
+
+    monkeypatch.setattr(cudnn_provider, "pad_dim", zero_pad)
+    q, kv, out, dout, lse, sink, _, _ = _attn(h=64, kk=24)
+    ids = _path_a_ids()
+    got = CudnnKernels().sparse_attn_bwd(q, kv, out, dout, lse, sink, ids, softmax_scale=0.05)
+    ref = TK.sparse_attn_bwd(q, kv, out, dout, lse, sink, ids, softmax_scale=0.05)
+    assert not torch.equal(got["dkv"], ref["dkv"])
+
+
 def test_sparse_attn_fwd_head_and_index_padding(sm90):
     q, kv, _, _, _, sink, _, _ = _attn(h=16)
     raw = torch.randint(0, 40, (12, 24), generator=torch.Generator().manual_seed(2)).int()

@@ -1,0 +1,152 @@
+"""``dsv4-parity bench --sections gate``: the PR gate's wall time, cold and warm, and where it goes.
+
+The gate suite runs as ``dsv4-parity run`` subprocesses (exactly what ``make parity`` runs on a GPU runner:
+``--suite gate --provider cudnn --workers auto --make-default``, the report rendering included), twice over one compiled-kernel cache directory: **cold** (a fresh,
+empty cache: every CuTe-DSL kernel compiles) then **warm** (the same cache, as a re-run on the same runner). Each run
+records its wall time, the outcome counts, the per-case phases summed over the workers (``phases_s`` of the
+``results.jsonl`` case rows: materialize / impl / reference / compare), and the compiled-kernel cache's counters summed
+over its processes (:mod:`fused.kernels.compile_cache`: per kernel namespace the compiles and their seconds, the
+loads from disk and theirs). Targets (:data:`bench.targets.TARGETS`): warm and cold wall time, no failure, and the
+two runs agree case by case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from bench.harness import case_rows, engine_phases
+from bench.targets import TARGETS
+from fused.kernels import compile_cache
+
+#: Library cache variables the child must derive from its own ``DSV4_PARITY_CACHE_DIR`` (not inherit from ours).
+CHILD_UNSET = ("CUTE_DSL_CACHE_DIR", "CUDNN_FRONTEND_COMPILED_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+               compile_cache.ENV_SWITCH)
+REPO = Path(__file__).resolve().parents[1]  # the repository root (bench/..)
+PHASES = ("materialize", "impl", "reference", "compare")
+
+
+def gate_command(suite: str, provider: str, workers: str, out: Path, limit: Optional[int],
+                 make_default: bool = True) -> list[str]:
+    """``make parity``'s command line (``make_default``: also point ``reports/out/latest`` at the run and render its
+    report, as ``make parity`` does)."""
+    cmd = [sys.executable, "-m", "cli", "run", "--suite", suite, "--provider", provider, "--workers",
+           str(workers), "--out", str(out)]
+    return cmd + (["--limit", str(limit)] if limit else []) + (["--make-default"] if make_default else [])
+
+
+def summarize_results(path: Path) -> dict[str, Any]:
+    """Outcome counts and per-phase seconds summed over the case rows of one ``results.jsonl``."""
+    rows = case_rows(path) if path.is_file() else []
+    outcomes: dict[str, int] = {}
+    for row in rows:
+        outcomes[row["outcome"]] = outcomes.get(row["outcome"], 0) + 1
+    phases = {**{p: 0.0 for p in PHASES}, **engine_phases(rows)}
+    cases = len(rows)
+    total = sum(phases.values()) or 1.0
+    return {"cases": cases, "outcomes": outcomes, "phases_s": {k: round(v, 2) for k, v in phases.items()},
+            "phase_share": {k: round(v / total, 4) for k, v in phases.items()}}
+
+
+def collect_compile_stats(stats_dir: Path) -> dict[str, Any]:
+    """Per-namespace compile-cache counters summed over the run's processes, and their totals."""
+    docs = []
+    for path in sorted(stats_dir.glob("*.json")) if stats_dir.is_dir() else []:
+        try:
+            docs.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    per_kernel = compile_cache.merge_stats(docs)
+    totals: dict[str, float] = {}
+    for row in per_kernel.values():
+        for name, value in row.items():
+            totals[name] = round(totals.get(name, 0) + value, 3)
+    stores = sorted({d["store"] for d in docs if d.get("store")})
+    off = sorted({d["off"] for d in docs if d.get("off")})
+    return {"processes": len(docs), "per_kernel": per_kernel, "totals": totals, "stores": stores, "off": off}
+
+
+def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provider: str, workers: str,
+                  limit: Optional[int], timeout_s: Optional[float], make_default: bool = True,
+                  runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict[str, Any]:
+    """One gate run as a subprocess over ``cache_dir``; its wall time, outcomes, phases and compile counters."""
+    out, stats_dir = root / label, root / f"{label}-compile-stats"
+    for path in (out, stats_dir):
+        shutil.rmtree(path, ignore_errors=True)
+    env = {k: v for k, v in os.environ.items() if k not in CHILD_UNSET}
+    env.update({compile_cache.ENV_DIR: str(cache_dir), compile_cache.ENV_STATS: str(stats_dir)})
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = gate_command(suite, provider, workers, out, limit, make_default)
+    start = time.perf_counter()
+    try:
+        proc = runner(cmd, env=env, timeout=timeout_s, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                      text=True)
+        code, tail = proc.returncode, (proc.stdout or "")[-2000:]
+    except subprocess.TimeoutExpired as exc:
+        code, tail = None, f"timed out after {timeout_s} s: " + str(exc.output or "")[-1500:]
+    wall = time.perf_counter() - start
+    row = {"run": label, "wall_s": round(wall, 2), "exit_code": code, "command": " ".join(cmd[1:]),
+           "cache_dir": str(cache_dir), "out": str(out), "output_tail": tail.splitlines()[-6:]}
+    row.update(summarize_results(out / "results.jsonl"))
+    row["compile"] = collect_compile_stats(stats_dir)
+    target = TARGETS.get(f"pr_gate_{label}_s")
+    failed = row["outcomes"].get("fail", 0) + row["outcomes"].get("error", 0)
+    row["target_s"] = target
+    row["met"] = None if target is None else bool(wall <= target and code == 0 and failed == 0)
+    return row
+
+
+def compare_outcomes(cold_out: Path, warm_out: Path) -> dict[str, Any]:
+    """Case-by-case outcome agreement of two runs (the cache must not change a verdict)."""
+    def outcomes(path: Path) -> dict[str, str]:
+        rows = {}
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if row.get("type") == "case":
+                    rows[row["case_id"]] = row["outcome"]
+        return rows
+
+    a, b = outcomes(cold_out / "results.jsonl"), outcomes(warm_out / "results.jsonl")
+    differ = sorted(k for k in set(a) & set(b) if a[k] != b[k])
+    return {"common_cases": len(set(a) & set(b)), "differing": differ, "agree": not differ and bool(a) and a == b}
+
+
+def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", workers: str = "auto",
+                 limit: Optional[int] = None, runs: Sequence[str] = ("cold", "warm"),
+                 cache_dir: Optional[Path] = None, budget_s: Optional[float] = None, make_default: bool = True,
+                 log: Callable[[str], None] = lambda _m: None,
+                 runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict[str, Any]:
+    """Run the gate ``runs`` in order over one cache directory (``cold`` empties it first) under ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    cache_dir = Path(cache_dir) if cache_dir is not None else root / "kernel-cache"
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    section: dict[str, Any] = {"suite": suite, "provider": provider, "workers": workers, "limit": limit,
+                               "cache_dir": str(cache_dir), "runs": []}
+    for label in runs:
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 10:
+            section["runs"].append({"run": label, "skipped": "budget"})
+            continue
+        if label == "cold":
+            compile_cache.clear(cache_dir)
+        log(f"gate {label}: {suite} suite, provider {provider}, workers {workers}, cache {cache_dir}")
+        row = run_gate_once(label, root, cache_dir, suite=suite, provider=provider, workers=workers, limit=limit,
+                            timeout_s=left, make_default=make_default, runner=runner)
+        log(f"gate {label}: {row['wall_s']} s, {row['outcomes']}, compiled {row['compile']['totals'].get('compiled', 0)}"
+            f" kernels in {row['compile']['totals'].get('compile_s', 0)} s, loaded "
+            f"{row['compile']['totals'].get('loaded', 0)}")
+        section["runs"].append(row)
+    done = {r["run"]: r for r in section["runs"] if "out" in r}
+    if "cold" in done and "warm" in done:
+        section["cold_vs_warm"] = compare_outcomes(Path(done["cold"]["out"]), Path(done["warm"]["out"]))
+    return section

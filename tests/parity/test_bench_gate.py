@@ -1,0 +1,113 @@
+"""The bench's gate section (bench/gate.py): cold / warm runs over one compiled-kernel cache, phases summed
+from results.jsonl, compile counters summed from the processes' stats files, targets and cold-vs-warm agreement."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fused.kernels import compile_cache
+from bench import gate as bench_gate
+
+
+def fake_gate(outcomes_by_run, compiled_by_run, seen_env):
+    """A stand-in for ``subprocess.run`` of ``dsv4-parity run``: writes the results stream and a stats file."""
+    def runner(cmd, env, timeout, **_kw):
+        out = Path(cmd[cmd.index("--out") + 1])
+        label = out.name
+        seen_env.append(env)
+        out.mkdir(parents=True)
+        rows = [{"type": "run"}]
+        for i, outcome in enumerate(outcomes_by_run[label]):
+            rows.append({"type": "case", "case_id": f"c{i}", "outcome": outcome,
+                         "phases_s": {"materialize": 1.0, "impl": 3.0, "reference": 0.5, "compare": 0.5}})
+        rows.append({"type": "end"})
+        (out / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        stats = Path(env[compile_cache.ENV_STATS])
+        stats.mkdir(parents=True)
+        n = compiled_by_run[label]
+        row = {"compiled": n, "compile_s": 8.0 * n, "loaded": 2 - n, "load_s": 0.01}
+        for pid in (1, 2):
+            doc = {"pid": pid, "store": "/c/dsa-kernels/v1/e", "off": None, "stats": {"sparse_attn_bwd": row}}
+            (stats / f"{pid}.json").write_text(json.dumps(doc))
+        return subprocess.CompletedProcess(cmd, 1 if "fail" in outcomes_by_run[label] else 0, stdout="done\n")
+    return runner
+
+
+def test_cold_then_warm_over_one_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_CACHE_DIR", "/somewhere/else")
+    seen = []
+    runner = fake_gate({"cold": ["pass", "unsupported"], "warm": ["pass", "unsupported"]}, {"cold": 2, "warm": 0},
+                       seen)
+    cache = tmp_path / "kc"
+    (cache / "dsa-kernels").mkdir(parents=True)
+    (cache / "dsa-kernels" / "stale").write_text("x")
+    section = bench_gate.gate_section(tmp_path / "g", cache_dir=cache, runner=runner)
+    cold, warm = section["runs"]
+    assert not (cache / "dsa-kernels" / "stale").exists()  # cold starts from an empty cache
+    assert all(e[compile_cache.ENV_DIR] == str(cache) for e in seen)  # both runs share it
+    assert all("CUTE_DSL_CACHE_DIR" not in e for e in seen)  # derived by the child from its own root
+    assert cold["cases"] == 2 and cold["outcomes"] == {"pass": 1, "unsupported": 1}
+    assert cold["phases_s"] == {"materialize": 2.0, "impl": 6.0, "reference": 1.0, "compare": 1.0}
+    assert cold["phase_share"]["impl"] == 0.6
+    assert cold["compile"]["processes"] == 2 and cold["compile"]["totals"]["compiled"] == 4
+    assert cold["compile"]["stores"] == ["/c/dsa-kernels/v1/e"] and cold["compile"]["off"] == []
+    assert cold["compile"]["per_kernel"]["sparse_attn_bwd"]["compile_s"] == 32.0
+    assert warm["compile"]["totals"]["compiled"] == 0 and warm["compile"]["totals"]["loaded"] == 4
+    assert cold["met"] is True and warm["met"] is True and cold["target_s"] == 300 and warm["target_s"] == 180
+    assert section["cold_vs_warm"]["agree"]
+
+
+def test_a_failure_or_a_changed_verdict_is_reported(tmp_path):
+    runner = fake_gate({"cold": ["pass", "pass"], "warm": ["pass", "fail"]}, {"cold": 1, "warm": 0}, [])
+    section = bench_gate.gate_section(tmp_path / "g", runner=runner)
+    warm = section["runs"][1]
+    assert warm["met"] is False and warm["exit_code"] == 1
+    assert section["cold_vs_warm"] == {"common_cases": 2, "differing": ["c1"], "agree": False}
+
+
+def test_budget_skips_runs_that_cannot_start(tmp_path):
+    runner = fake_gate({"cold": ["pass"]}, {"cold": 1}, [])
+    section = bench_gate.gate_section(tmp_path / "g", runs=("cold",), budget_s=5, runner=runner)
+    assert section["runs"] == [{"run": "cold", "skipped": "budget"}]
+
+
+def test_summarize_tolerates_a_torn_last_line(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"type": "case", "case_id": "a", "outcome": "pass", "phases_s": {"impl": 2.0}})
+                    + "\n{\"type\": \"ca")
+    s = bench_gate.summarize_results(path)
+    assert s["cases"] == 1 and s["phases_s"]["impl"] == 2.0
+
+
+def test_real_run_of_two_smoke_cases(tmp_path):
+    """The plumbing end to end on the CPU: the real ``dsv4-parity run`` subprocess (smoke, torch provider)."""
+    section = bench_gate.gate_section(tmp_path / "g", suite="smoke", provider="torch", workers="1", limit=2,
+                                      make_default=False)  # (the default also renders and links reports/out/latest)
+    cold, warm = section["runs"]
+    assert cold["exit_code"] == 0, cold["output_tail"]
+    assert cold["cases"] == 2 and cold["outcomes"].get("pass") == 2 and cold["phases_s"]["impl"] > 0
+    assert warm["cases"] == 2 and section["cold_vs_warm"]["agree"]
+    assert cold["met"] is True  # 2 smoke cases are far inside the gate's targets
+
+
+@pytest.mark.parametrize("sections", ["gate", "harness,gate"])
+def test_bench_accepts_the_opt_in_section(sections):
+    import argparse
+
+    from bench import core
+    from cli import bench_command
+
+    parser = argparse.ArgumentParser()
+    bench_command.add_parsers(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--sections", sections, "--device", "cpu", "--gate-limit", "3",
+                              "--gate-runs", "warm", "--gate-budget-s", "500"])
+    settings = core.resolve_settings(args)
+    assert "gate" in settings.sections and settings.gate["limit"] == 3 and settings.gate["runs"] == ["warm"]
+    assert settings.gate["budget_s"] == 500
+    default = core.resolve_settings(parser.parse_args(["bench", "--device", "cpu"]))
+    assert "gate" not in default.sections
