@@ -105,16 +105,7 @@ def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provid
 def compare_outcomes(cold_out: Path, warm_out: Path) -> dict[str, Any]:
     """Case-by-case outcome agreement of two runs (the cache must not change a verdict)."""
     def outcomes(path: Path) -> dict[str, str]:
-        rows = {}
-        if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if row.get("type") == "case":
-                    rows[row["case_id"]] = row["outcome"]
-        return rows
+        return {row["case_id"]: row["outcome"] for row in case_rows(path)} if path.is_file() else {}
 
     a, b = outcomes(cold_out / "results.jsonl"), outcomes(warm_out / "results.jsonl")
     differ = sorted(k for k in set(a) & set(b) if a[k] != b[k])

@@ -11,13 +11,13 @@ overhead is everything but ``impl`` and ``reference``. Nothing of the engine is 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from parity.results import read_rows
 from reports.render import render_run
 
 
@@ -27,15 +27,7 @@ IMPLEMENTATION_PHASES = ("impl", "reference")
 
 def case_rows(results_path: Path) -> list[dict]:
     """The ``case`` rows of a ``results.jsonl`` (a torn last line of a killed run is skipped)."""
-    rows = []
-    for line in results_path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("type") == "case":
-            rows.append(row)
-    return rows
+    return [row for row in read_rows(results_path) if row.get("type") == "case"]
 
 
 def engine_phases(rows: list[dict]) -> dict[str, float]:

@@ -127,6 +127,17 @@ class ResultsWriter:
         self.close()
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a ``results.jsonl`` in file order (a torn line of a killed run is skipped)."""
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 @dataclass
 class Existing:
     run_row: Optional[dict]
