@@ -46,10 +46,15 @@ help:
 venv: $(BOOTSTRAP)
 
 $(VENV)/.installed: pyproject.toml
+	@echo "bootstrap: creating $(VENV) (first run only; later runs reuse it)"
 	python3 -m venv $(VENV)
+	@echo "bootstrap: upgrading pip"
 	$(VENV)/bin/python -m pip install -q --upgrade pip
+	@echo "bootstrap: installing torch==2.13.0, CPU build (a large download: a few minutes)"
 	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	@echo "bootstrap: installing dsv4-parity and its dependencies (pyproject.toml: pandas, rich, Jinja2, matplotlib, hypothesis, pytest)"
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	@echo "bootstrap: done; the CLI is $(VENV)/bin/dsv4-parity (or: source $(VENV)/bin/activate)"
 	touch $@
 
 parity: $(BOOTSTRAP)

@@ -28,10 +28,13 @@ lists the composition sites by device time, largest first, so the first rows are
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import sys
+import tempfile
 import time
 import warnings
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from bench.measure import synchronize
 from fused.plan import observe_kernels
@@ -286,11 +289,11 @@ def graph_replay_ms(step: Callable[[], None], repeats: int = 3) -> dict:
     warm-up on a side stream, as capture requires), or ``{"ms": None, "error": "<why the capture failed>"}``."""
     import torch
 
-    from fused.graph_replay import capture
+    from parity.graph_replay import capture_graph
 
     graph = None
     try:
-        graph, _ = capture(step)
+        graph, _ = capture_graph(step)
         graph.replay()
         torch.cuda.synchronize()
         times = []
@@ -308,6 +311,32 @@ def graph_replay_ms(step: Callable[[], None], repeats: int = 3) -> dict:
         torch.cuda.empty_cache()
 
 
+#: Lines libkineto prints to the process's stderr on every profiler start / stop, whatever KINETO_LOG_LEVEL says.
+PROFILER_CHATTER = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def profiler_chatter_dropped() -> Iterator[None]:
+    """Run the body with file descriptor 2 captured, then re-emit every captured line except the profiler's own
+    :data:`PROFILER_CHATTER` (written by native code, so ``sys.stderr`` redirection cannot catch it)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            kept = [line for line in sink.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(PROFILER_CHATTER)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def profile_step(step: Callable[[], None], device: str, top: int = 25) -> dict:
     """One unprofiled call of ``step`` (already warm) for the wall time, then one under the profiler for the
     attribution (:func:`attribute`; the profiler's own host cost would inflate the wall time, not the device's).
@@ -322,7 +351,7 @@ def profile_step(step: Callable[[], None], device: str, top: int = 25) -> dict:
     wall_ms = (time.perf_counter() - t0) * 1e3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     for attempt in range(3):
-        with provider_ranges(), CompositionRanges(), \
+        with profiler_chatter_dropped(), provider_ranges(), CompositionRanges(), \
                 profile(activities=activities, with_stack=True, record_shapes=False) as prof:
             step()
             synchronize(device)

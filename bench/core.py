@@ -69,7 +69,7 @@ from bench.flops import H200_BF16_PEAK_TFLOPS, kernel_flops, tflops
 from bench.harness import harness_throughput
 from bench.measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_memory, is_oom, synchronize,
                             time_call)
-from bench.output import SCHEMA, jsonable
+from bench.output import SCHEMA, jsonable, ms_part
 from bench.scaling import findings_from_fits, fit_series, function_series
 from bench.targets import TARGETS
 from bench.workloads import (StageCall, Workload, clear_caches, forward_backward,
@@ -316,9 +316,10 @@ class Bench:
         else:
             self._measure_e2e(work, impl_name, row, deadline)
         self.e2e_cache[key] = row
-        self.log(f"e2e {work.profile} T={work.tokens} {work.layout} {work.scope} {work.effective_loss} loss "
-                 f"{impl_name}: {row['status']} "
-                 f"{row['time']['median_ms']} ms {row['message']}")
+        self.log(" ".join(filter(None, (
+            f"e2e {work.profile} T={work.tokens} {work.layout} {work.scope} {work.effective_loss} loss "
+            f"{impl_name}: {row['status']}", ms_part("", row["time"]["median_ms"]),
+            f"({row['message']})" if row["message"] else ""))))
         return row
 
     def _measure_e2e(self, work: Workload, impl_name: str, row: dict, deadline: Optional[float]) -> None:
@@ -349,7 +350,8 @@ class Bench:
                                    deadline=deadline, estimate_s=estimate)
                 if rec is not None:
                     rec.flush()
-            if device != "cuda":  # the CPU meter slows every op down: a run of its own, after the timed ones
+            # the CPU meter slows every op down: a run of its own, after the timed ones, if it fits the deadline
+            if device != "cuda" and Budget.fits(deadline, 2 * (estimate or timing.median or 0.0)):
                 peak, mem_rec = self._memory_run(step, fused)
                 row["peak_mem_bytes"] = peak
         except Exception as exc:  # noqa: BLE001 — an OOM or a failing implementation is a row, not a crash
@@ -592,8 +594,11 @@ class Bench:
         finally:
             del tensors, step
             free_memory(device, collect=failed)
-        self.log(f"breakdown {work.profile} T={work.tokens}: {row['status']} wall {row.get('wall_ms')} ms, "
-                 f"composition {row.get('composition_ms')} ms, idle {row.get('idle_ms')} ms {row['message']}")
+        parts = [ms_part(label, row.get(key)) for label, key in (("wall", "wall_ms"),
+                                                                  ("composition", "composition_ms"),
+                                                                  ("idle", "idle_ms"))]
+        self.log(f"breakdown {work.profile} T={work.tokens}: {row['status']} " + ", ".join(filter(None, parts))
+                 + (f" ({row['message']})" if row["message"] else ""))
         return row
 
     # ---- harness

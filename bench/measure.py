@@ -102,8 +102,8 @@ def time_call(fn: Callable[[], Any], device: str, *, warmup: int = 1, repeats: i
         n = max(1, min(n, int(target_s / first)))
     timing = Timing()
     for i in range(n):
-        if i and deadline is not None and time.monotonic() > deadline:
-            break
+        if i and not Budget.fits(deadline, timing.seconds[-1]):
+            break  # the next repeat would end past the deadline
         if before:
             before()
         watch = Stopwatch(device)
@@ -380,3 +380,8 @@ class Budget:
     @staticmethod
     def passed(deadline: Optional[float]) -> bool:
         return deadline is not None and time.monotonic() > deadline
+
+    @staticmethod
+    def fits(deadline: Optional[float], seconds: Optional[float]) -> bool:
+        """Would work of ``seconds`` (unknown: 0) started now end by ``deadline``?"""
+        return deadline is None or time.monotonic() + (seconds or 0.0) <= deadline

@@ -91,6 +91,11 @@ def _ms(x: Optional[float]) -> str:
     return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
 
 
+def ms_part(label: str, x: Optional[float]) -> str:
+    """``"<label> 12.3 ms"`` for a progress line, or ``""`` where nothing was measured (never ``None ms``)."""
+    return "" if x is None else f"{label} {_ms(x)} ms".strip()
+
+
 def _mib(x: Optional[int]) -> str:
     return "—" if x is None else f"{x / 2 ** 20:,.1f}"
 

@@ -150,7 +150,8 @@ def shrink(case: Case, predicate: Predicate, *, max_calls: int = 1000,
     """The smallest case reachable from ``case`` by :func:`candidates` moves on which ``predicate`` is True.
 
     ``predicate(case)`` returns True when the case still fails; an exception inside it counts as False (a different
-    failure). ``log`` (e.g. ``print``) receives one line per accepted step and the final repro.
+    failure). ``log`` (e.g. ``print``) receives one line per accepted step and a closing line (the caller prints the
+    repro: only it knows the options that reproduce the failure).
     """
     if not _holds(predicate, case):
         raise CaseError("predicate", f"does not hold on the case to shrink ({case.id}); nothing to shrink")
@@ -173,7 +174,7 @@ def shrink(case: Case, predicate: Predicate, *, max_calls: int = 1000,
     if current is not case:
         current = current.replace(tags=(f"shrunk from {case.id}",))
     if log:
-        log(f"shrink: {case.id} -> {current.id} after {calls} predicate calls; minimal repro:\n{current.repro}")
+        log(f"shrink: {case.id} -> {current.id} after {calls} predicate calls")
     return current
 
 

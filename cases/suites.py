@@ -259,6 +259,19 @@ def id_repro(case: Case, suite: str) -> str:
     return f"dsv4-parity run --case-id {case.id} --suite {suite}"
 
 
+def gpu_subset(max_tokens: int = 384, r128: int = 3, suite: str = "gate") -> list[Case]:
+    """A device-time-bounded subset of ``suite`` for a GPU runner: every case of at most ``max_tokens`` buffer rows,
+    plus the ``r128`` smallest ratio-128 cases above that (a ratio-128 segment needs 128 tokens to have a compressed
+    key, so none is small). On the H200 a small case costs a few seconds (kernel JIT dominates), the largest gate
+    cases about a minute each in the float64 reference; the subset keeps BSHD and THD, r ∈ {0, 4, 128}, dense and
+    sparse loss and the packing features."""
+    cases = load_suite(suite)
+    small = [c for c in cases if c.layout.num_tokens <= max_tokens]
+    big_r128 = sorted((c for c in cases if c.config.compress_ratio == 128 and c.layout.num_tokens > max_tokens),
+                      key=lambda c: c.layout.num_tokens)[:r128]
+    return small + big_r128
+
+
 def write_suites(names: Sequence[str] = ()) -> list[Path]:
     SUITES_DIR.mkdir(exist_ok=True)
     written = []

@@ -5,7 +5,8 @@
   a declared cell is missed.
 * ``dsv4-parity shrink (--case JSON | --case-id ID --suite NAME) [--max-calls N]`` shrinks a failing case and prints
   the minimal repro. "Still fails" = the same outcome and deciding rule as the original case
-  (:func:`shrink_predicate`), for ``--impl`` against ``--against`` on ``--provider``.
+  (:func:`shrink_predicate`), for ``--impl`` against ``--against`` on ``--provider``; the repro printed (once, on
+  stdout) carries those options.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def cmd_shrink(args: argparse.Namespace) -> int:
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(small.repro)
+    print(run_options(args).repro(small))  # with --impl / --against / --provider: it reproduces as printed
     return 0
 
 

@@ -18,19 +18,29 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+try:  # every command needs torch: say so in one line instead of a traceback from deep in an import
+    import torch  # noqa: F401
+except ModuleNotFoundError:
+    print(f"error: {sys.executable} cannot import torch; install it into that interpreter (pip install torch, or "
+          "`pip install -e .[gpu]` on a GPU runner), or run `make parity` without PYTHON= to bootstrap .venv",
+          file=sys.stderr)
+    raise SystemExit(2) from None
+
 from cases.errors import CaseError
+from parity import resume as resume_mod
 from parity.calibrate import calibrate
 from parity.engine import configure_torch
 from parity.impls import load
 from parity.metamorphic import ORACLES, applicable
 from parity.results import summary_line
-from parity.runner import RunConfig, new_run_id, point_link, resolve_out_dir, run
+from parity.runner import Interrupted, RunConfig, new_run_id, resolve_out_dir, run
 from parity.shard import parse_workers
+from parity.usage import check_memory, check_run_options
 
 from cli import (bench_command, cache_command, cases_command, compare_runs_command, mutants_command,
                  report_command)
 from cli.options import (add_implementation_options, add_output_options, add_selection_options, run_options,
-                         select_cases)
+                         select_cases, selection_record)
 
 DESCRIPTION = """\
 Numerical parity harness for DeepSeek-V4 hybrid attention (CSA / HCA / sliding window + sink, lightning indexer,
@@ -48,7 +58,7 @@ examples:
   dsv4-parity run --case-id 1adad73f706a --suite smoke  # one case (the id prefix is enough)
   dsv4-parity run --case '{"config": {...}, "layout": {...}}'
   dsv4-parity run --suite smoke --oracle thd-pack --impl reference
-  dsv4-parity run --out reports/out/latest --resume   # continue a killed run
+  dsv4-parity run --out reports/out/latest --resume   # continue a killed run (as it was recorded)
   dsv4-parity run --suite nightly --workers auto      # up to 4 workers per visible GPU, one merged results.jsonl
 
 outcomes: pass, fail (numeric or structural), error (exception, CUDA fault, crashed worker), unsupported (the
@@ -88,26 +98,60 @@ def _render_report(out_dir: Path) -> None:
         print(f"note: report rendering failed: {exc}", file=sys.stderr)
 
 
-def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_override: Optional[Path] = None,
-                         link_override: Optional[Path] = None) -> tuple[dict, int, Path, Optional[Path]]:
-    label, cases = select_cases(args)
-    if oracle:
-        cases = [c for c in cases if applicable(oracle, c)]
-    run_id = new_run_id(label, args.impl, oracle)
+def _applicable(cases: list, oracle: Optional[str]) -> list:
+    return [c for c in cases if applicable(oracle, c)] if oracle else cases
+
+
+def _recorded(args: argparse.Namespace, out_override: Optional[Path],
+              link_override: Optional[Path]) -> tuple[Optional[dict], Optional[Path], Optional[Path]]:
+    """``(recorded run row or None, out_dir, link)`` for ``--resume`` (out_dir None: not resolved yet)."""
     if out_override is not None:
         out_dir, link = out_override, link_override
+    elif args.resume:
+        if not args.out:
+            raise CaseError("resume", "needs --out DIR, the run directory to continue")
+        out_dir, link = resolve_out_dir(args.out, "", args.make_default, True)
     else:
-        out_dir, link = resolve_out_dir(args.out, run_id, args.make_default, args.resume)
-        if (out_dir / "results.jsonl").exists() and args.resume:
-            run_id = out_dir.name
-    config = RunConfig(suite=label, options=run_options(args), out_dir=out_dir, oracle=oracle, resume=args.resume,
+        return None, None, None
+    if not args.resume:
+        return None, out_dir, link
+    recorded = resume_mod.recorded_run(out_dir)
+    stream = out_dir / "results.jsonl"
+    if recorded is None and stream.is_file() and stream.stat().st_size:
+        raise CaseError("resume", f"{stream} holds no readable run row (killed while starting?): nothing recorded "
+                                  "to continue; start the run again with --force and its options")
+    return recorded, out_dir, link
+
+
+def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_override: Optional[Path] = None,
+                         link_override: Optional[Path] = None) -> tuple[dict, int, Path, Optional[Path]]:
+    check_run_options(args)
+    given = getattr(args, "given", set())
+    recorded, out_dir, link = _recorded(args, out_override, link_override)
+    if recorded is not None:  # --resume continues exactly the recorded run (parity.resume)
+        resume_mod.apply_recorded_options(args, given, recorded, out_dir)
+        oracle = resume_mod.check_oracle(oracle, given, recorded, out_dir)
+        if set(given) & set(resume_mod.SELECTION_OPTIONS):
+            resume_mod.check_selection(given, _applicable(select_cases(args)[1], oracle), recorded, out_dir)
+        label, cases = resume_mod.recorded_cases(recorded, out_dir)
+        run_id = str(recorded.get("run_id") or out_dir.name)
+        _check_impls(args, oracle)
+        check_run_options(args)  # the recorded options too
+    else:
+        label, cases = select_cases(args)
+        cases = _applicable(cases, oracle)
+        run_id = new_run_id(label, args.impl, oracle)
+        if out_override is None:
+            out_dir, link = resolve_out_dir(args.out, run_id, args.make_default, args.resume)
+    options = run_options(args)
+    check_memory(cases, options.torch_device())
+    config = RunConfig(suite=label, options=options, out_dir=out_dir, oracle=oracle, resume=args.resume,
                        isolate=args.isolate, timeout=args.timeout, junit=args.junit,
                        argv=["dsv4-parity", *getattr(args, "argv", sys.argv[1:])],
                        run_id=run_id, quiet=args.quiet, workers=parse_workers(getattr(args, "workers", "1")),
-                       threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None))
+                       threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None),
+                       force=getattr(args, "force", False), link=link, selection=selection_record(label, cases))
     counts, code = run(cases, config)
-    if link is not None:
-        point_link(link, out_dir)
     _say(summary_line(counts) + (f" [oracle {oracle}]" if oracle else ""))
     return counts, code, out_dir, link
 
@@ -124,6 +168,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     except ValueError as exc:  # ImplError
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the results stream cannot be read or written (e.g. a full disk at the start)
+        print(f"error: {exc.strerror or exc}", file=sys.stderr)
         return 2
     if args.make_default and not args.no_report:
         _render_report(out_dir)
@@ -217,14 +264,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
+    args.given = resume_mod.given_options(parser, args.argv)
     configure_torch()
     try:
         return int(args.func(args) or 0)
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted (finished cases are kept; continue with --resume)", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        if not isinstance(exc, Interrupted):  # the runner already said how to continue
+            print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `dsv4-parity run ... | head`: the reader left; the results file is complete
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

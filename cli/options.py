@@ -39,7 +39,11 @@ def add_selection_options(p: argparse.ArgumentParser) -> None:
 def add_output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="run directory (default reports/out/<run-id>); a symlink such as "
                                  "reports/out/latest names the current run: a new run moves it")
-    p.add_argument("--resume", action="store_true", help="keep the finished cases in --out and run the rest")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run recorded in --out: its selection, implementation and options (from its "
+                        "run row); re-runs the cases that errored or were cut off")
+    p.add_argument("--force", action="store_true",
+                   help="replace an --out directory that already holds a run (it is cleared whole)")
     p.add_argument("--make-default", action="store_true",
                    help="point reports/out/latest at this run (what `make report` reads) and render its report")
     p.add_argument("--no-report", action="store_true", help="with --make-default: do not render the report")
@@ -95,19 +99,30 @@ def select_cases(args: argparse.Namespace) -> tuple[str, list]:
     else:
         names = [args.suite] if args.suite else (["smoke"] if not args.case_id else suite_names())
         label = args.suite or ("smoke" if not args.case_id else "adhoc")
+        suites: dict = {}  # case id -> the suites holding it (for an ambiguous id prefix)
         if args.case_id and not args.suite:
             pool = []
             for name in names:
                 try:
-                    pool += load_suite(name)
+                    found = load_suite(name)
                 except CaseError:
                     continue  # a suite file not generated yet
+                pool += found
+                for case in found:
+                    suites.setdefault(case.id, []).append(name)
         else:
             pool = load_suite(names[0])
-        cases = select(pool, args.case_id) if args.case_id else pool
+        cases = select(pool, args.case_id, suites or None) if args.case_id else pool
     if args.limit is not None:
-        cases = cases[:max(args.limit, 0)]
+        cases = cases[:args.limit]  # --limit >= 1: parity.usage.check_run_options
     return label, cases
+
+
+def selection_record(label: str, cases: list) -> dict:
+    """The selection recorded on the run row (what ``--resume`` continues): a suite by name, or the ad-hoc cases."""
+    if label in suite_names():
+        return {"label": label}
+    return {"label": label, "cases": [c.to_dict() for c in cases]}
 
 
 def run_options(args: argparse.Namespace) -> RunOptions:

@@ -134,10 +134,12 @@ def compare_command(args: argparse.Namespace) -> int:
         else:
             base = load_baseline(name, current=data, root=args.baselines_dir)
             drift = compare_tables(metrics_table(data), base.table, gate_for(base, **_overrides(args)))
-        if drift.pairs.empty and drift.only_current:
-            raise ReportError("--baseline", f"{base.name} shares no (case, tensor) pair with run {data.run_id} "
-                                            f"(another suite, or case ids changed): nothing to compare; refresh it "
-                                            f"with --update")
+        if drift.pairs.empty:
+            raise ReportError("--baseline", f"{base.name} and run {data.run_id} have no (case, tensor) pair with "
+                                            f"{drift.config.metric} on both sides ({drift.only_current} only in the "
+                                            f"run, {drift.only_baseline} only in the baseline: another suite, case "
+                                            f"ids changed, or the values are missing): nothing was compared; "
+                                            f"refresh the baseline with --update")
     except ReportError as error:
         return _fail("compare", error)
     console.print(f"run {data.run_id} vs baseline {base.name} ({base.env.get('run_id', base.path)})")

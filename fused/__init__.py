@@ -19,15 +19,14 @@ Kernel providers are chosen with a context manager, never with extra arguments::
 
 Parity-engine hooks (``parity/impls.py``), so that ``--impl fused --provider auto|torch|cudnn`` works as is:
 ``use_backend(provider=..., require=...)``, ``available_providers()`` (``{name: None or why not}``, best first: the
-usable names on a CPU machine are ``["torch"]``), and, under the GPU tooling's names, ``use_provider(name)`` and
-``executed()`` (``{stage: provider}`` of the last block). ``fused.plan`` stays the plan *module*; the case pre-check
-``plan(case, provider)`` is ``fused.providers.plan``.
+usable names on a CPU machine are ``["torch"]``) and ``executed()`` (``{stage: provider}`` of the last block).
 
 Observation: ``with fused.observe_kernels(observer): ...`` runs every kernel call inside
 ``observer(stage, provider_name)`` (a context manager) — timers, counters and profiler ranges attach there.
 
 Modules: ``kernels`` (interface, contracts, torch provider), ``plan`` (selection), ``ops`` / ``compressor`` /
-``indexer`` / ``layer`` (eager parts), ``index_maps`` and ``thd`` (index and layout plumbing), ``sparse_attention``
+``indexer`` / ``layer`` (eager parts), ``rows`` (the query-row space of a call, both layouts, computed once and
+passed down), ``index_maps`` and ``thd`` (index and layout plumbing), ``sparse_attention``
 (Paths A/C), ``indexer_loss`` (Path B), ``core_attention`` (dispatch).
 """
 
@@ -36,8 +35,7 @@ from .indexer import indexer
 from .layer import attention_layer
 from .plan import (BackendError, BackendUnavailable, Plan, StageUnsupported, available_providers, current_plan,
                    executed, observe_kernels, register_provider, use_backend)
-from .providers import use_provider  # noqa: E402 - after the public API, which fused.providers re-exports
 
 __all__ = ["BackendError", "BackendUnavailable", "Plan", "StageUnsupported", "attention_layer", "available_providers",
            "compressor", "core_attention", "current_plan", "executed", "indexer", "observe_kernels",
-           "register_provider", "use_backend", "use_provider"]
+           "register_provider", "use_backend"]

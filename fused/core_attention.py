@@ -24,10 +24,10 @@ from cases.outputs import AttentionOutput
 
 from . import ops
 from .compressor import compress_sbhd, compress_thd
-from .index_maps import (batch_of_row, cat_per_segment, compress_idxs_sbhd, compress_idxs_thd, cu_seqlens_kv_full,
-                         local_to_global_flat, window_idxs_sbhd, window_idxs_thd)
+from .index_maps import cat_per_segment, cu_seqlens_kv_full
 from .indexer import fold_indexer_scale, indexer_inputs, mask_split_topk, public_topk, select_topk
 from .indexer_loss import IndexerSparseAttnFunc, LossSpec
+from .rows import RowSpace
 from .sparse_attention import SparseAttnFunc, compact
 from .thd import ThdMeta
 
@@ -69,40 +69,37 @@ def indexer_branch_inputs(x: Tensor, qr: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def run_core(q: Tensor, kv: Tensor, x: Tensor, qr: Tensor, params: Mapping[str, Tensor], config: ModelConfig,
-             thd: Optional[ThdMeta], training: bool, split_topk: Optional[Tensor], positions: Tensor) -> CoreResult:
-    """Core attention on SBHD ``q (S,B,n,D)``, ``kv (S,B,D)``, ``x (S,B,Hd)``, ``qr (S,B,Rq)`` or THD ``(T, ...)``.
+             rows: RowSpace, training: bool, split_topk: Optional[Tensor], positions: Tensor) -> CoreResult:
+    """Core attention on SBHD ``q (S,B,n,D)``, ``kv (S,B,D)``, ``x (S,B,Hd)``, ``qr (S,B,Rq)`` or THD ``(T, ...)``,
+    whose flat query rows are ``rows``.
 
     ``positions`` broadcasts against the indexer query's leading dims (``(S,1,1)`` / ``(T,1)``).
     """
     c = config
     r, window, scale = c.compress_ratio, c.csa_window_size, c.softmax_scale
     sink = params["core_attention.attn_sink"]
-    device = q.device
+    thd, padding = rows.thd, rows.padding
+    n, d = q.shape[-2:]
     if thd is None:
-        seqlen, batch, n, d = q.shape
         comp = compress_sbhd(x, params, ATTENTION_COMPRESSOR, c, r, rotate=False) if r > 1 else None
         kv_full = kv if comp is None else torch.cat([kv, comp], dim=0)
-        window_ids = window_idxs_sbhd(window, batch, seqlen, device)
         max_comp = 0 if comp is None else comp.shape[0]
-        cu_comp = cu_full = padding = None
-        rows = seqlen * batch
-        q_flat, kv_flat = q.reshape(rows, n, d), kv_full.reshape(-1, d)
+        cu_comp = cu_full = None
+        q_flat, kv_flat = q.reshape(rows.rows, n, d), kv_full.reshape(-1, d)
     else:
-        rows, n, d = q.shape
         if r > 1:
             comp, cu_comp = compress_thd(x, params, ATTENTION_COMPRESSOR, c, r, thd.compressor_boundaries(),
                                          thd.capacity, rotate=False)
         else:
             comp, cu_comp = None, torch.zeros_like(thd.cu)
         cu_full = cu_seqlens_kv_full(thd.cu, cu_comp)
-        kv_full = cat_per_segment(kv, comp, thd.cu, cu_comp, cu_full)
-        window_ids = window_idxs_thd(window, thd.cu, rows)
+        kv_full = cat_per_segment(kv, comp, thd.cu, cu_comp, cu_full, rows.segment)
         max_comp = thd.max_seqlen // r if (r > 1 and comp is not None) else 0
-        padding = thd.padding_rows()
         q_flat, kv_flat = q, kv_full
+    window_ids = rows.window_ids(window)
 
     def to_global(local: Tensor) -> Tensor:
-        return local_to_global_flat(local, batch) if thd is None else local_to_global_flat(local, -1, thd.cu, cu_full)
+        return rows.to_global(local, cu_full)
 
     def unflatten(out_flat: Tensor) -> Tensor:
         return out_flat.view(q.shape)
@@ -114,8 +111,7 @@ def run_core(q: Tensor, kv: Tensor, x: Tensor, qr: Tensor, params: Mapping[str, 
     if not (c.has_indexer and has_keys):  # ---- Path A ----------------------------------------------------------
         parts = [window_ids]
         if has_keys:
-            parts.append(compress_idxs_sbhd(r, batch, seqlen, seqlen, device) if thd is None else
-                         compress_idxs_thd(r, thd.cu, thd.cu, cu_comp, rows, max_comp))
+            parts.append(rows.compressed_ids(r, cu_comp, max_comp))
         out_flat, lse = SparseAttnFunc.apply(q_flat, kv_flat, sink, to_global(torch.cat(parts, -1)), None, scale,
                                              padding)
         res = CoreResult(unflatten(out_flat), lse)
@@ -130,9 +126,8 @@ def run_core(q: Tensor, kv: Tensor, x: Tensor, qr: Tensor, params: Mapping[str, 
         spec = LossSpec(topk=c.dsa_indexer_topk, ratio=r, scale=scale, indexer_scale=c.indexer_softmax_scale,
                         coeff=float(c.dsa_indexer_loss_coeff), sparse=c.dsa_indexer_use_sparse_loss,
                         per_token=c.calculate_per_token_loss,
-                        real_rows=rows if thd is None else thd.real_row_count(),
-                        kv_offset=0 if thd is not None else seqlen, thd=thd, cu_kv_full=cu_full, cu_comp=cu_comp_i,
-                        max_comp=max_comp, padding_rows=padding)
+                        real_rows=rows.rows if thd is None else thd.real_row_count(), rows=rows,
+                        cu_kv_full=cu_full, cu_comp=cu_comp_i, max_comp=max_comp)
         out, loss, lse, topk, scores = IndexerSparseAttnFunc.apply(q, kv_full, sink, window_ids, q_i, k_i, w_i,
                                                                    comp if thd is not None else None, spec, split_topk)
         return CoreResult(out, lse, loss, topk, scores)
@@ -142,13 +137,9 @@ def run_core(q: Tensor, kv: Tensor, x: Tensor, qr: Tensor, params: Mapping[str, 
         q_i, k_i, w_i = q_i.permute(1, 0, 2, 3).contiguous(), k_i.permute(1, 0, 2).contiguous(), \
             w_i.permute(1, 0, 2).contiguous()
     topk, scores, visible = select_topk(q_i, k_i, fold_indexer_scale(w_i, c.indexer_softmax_scale), c.dsa_indexer_topk,
-                                        r, thd, cu_comp_i, max_comp)
+                                        r, rows, cu_comp_i, max_comp)
     used = topk if split_topk is None else mask_split_topk(split_topk, visible, c.dsa_indexer_topk)
-    if thd is None:
-        offset = seqlen
-    else:
-        offset = (thd.cu[1:] - thd.cu[:-1]).long()[batch_of_row(thd.cu, rows)].unsqueeze(-1)
-    comp_ids = torch.where(used >= 0, used + offset, -1).int()
+    comp_ids = torch.where(used >= 0, used + rows.compressed_offset(), -1).int()
     idx, length = compact(to_global(torch.cat([window_ids, comp_ids], -1)))
     out_flat, lse = SparseAttnFunc.apply(q_flat, kv_flat, sink, idx, length, scale, padding)
     return CoreResult(unflatten(out_flat), lse, None, topk, scores)
@@ -213,11 +204,13 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
         thd = ThdMeta.from_params(packed_seq_params, query.shape[0])
         q, k, x, qr = query, kv, hidden, q_latent
         positions = thd.positions().view(-1, 1)
+        rows = RowSpace.packed(thd)
     else:
         thd = None
         q, k, x, qr = (t.transpose(0, 1) for t in (query, kv, hidden, q_latent))
         positions = torch.arange(q.shape[0], device=q.device).view(-1, 1, 1)
-    res = run_core(q, k, x, qr, params, config, thd, training, topk_indices, positions)
+        rows = RowSpace.sbhd(q.shape[0], q.shape[1], q.device)
+    res = run_core(q, k, x, qr, params, config, rows, training, topk_indices, positions)
     out = res.out if packed else res.out.transpose(0, 1)
     return public_output(res, out, q, thd)
 

@@ -1,4 +1,6 @@
-"""Index construction around the kernels: window / compressed key ids, flat-global ids, the packed ``kv_full``.
+"""Index construction around the kernels: segment lookup, compressed boundaries, the ratio-causal rule, window /
+compressed key ids of the SBHD layout, the packed ``kv_full``. The per-row maps of a call (both layouts) are
+:class:`fused.rows.RowSpace`'s, built on these.
 
 Production computes these with small torch ops (Megatron ``csa.py`` / ``fused_sparse_attention.py``); so does this
 module. Conventions:
@@ -25,15 +27,6 @@ def batch_of_row(cu_seqlens: Tensor, total: int) -> Tensor:
     return torch.bucketize(rows, cu_seqlens[1:].long(), right=True).clamp(max=max(n_seg - 1, 0))
 
 
-def real_row_mask_thd(cu_real: Tensor, cu_padded: Tensor, total: int) -> Tensor:
-    """True on rows holding a real token: inside a padded segment and before that segment's real length."""
-    seg = batch_of_row(cu_padded, total)
-    rows = torch.arange(total, device=cu_padded.device)
-    pos = rows - cu_padded.long()[seg]
-    inside = rows < cu_padded.long()[-1]
-    return inside & (pos < (cu_real.long()[1:] - cu_real.long()[:-1])[seg])
-
-
 def cu_seqlens_compressed(cu_seqlens: Tensor, ratio: int) -> Tensor:
     """``[0, cumsum(L_b // ratio)]`` over the padded segment lengths ``L_b`` (int32)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]) // ratio
@@ -52,7 +45,7 @@ def causal_visible(pos: Tensor, ratio: int) -> Tensor:
 
 
 # ---- window / compressed ids ------------------------------------------------------------------------------------
-def _window_matrix(pos: Tensor, window: int) -> Tensor:
+def window_matrix(pos: Tensor, window: int) -> Tensor:
     """Row with position ``p`` sees ``[max(0, p-W+1), p]``; slots past ``p`` (only when ``p < W-1``) are -1."""
     offsets = torch.arange(window, device=pos.device, dtype=pos.dtype)
     ids = (pos - window + 1).clamp(min=0).unsqueeze(-1) + offsets
@@ -62,17 +55,7 @@ def _window_matrix(pos: Tensor, window: int) -> Tensor:
 def window_idxs_sbhd(window: int, batch: int, seqlen: int, device) -> Tensor:
     """``(B, S, W)`` local window ids."""
     pos = torch.arange(seqlen, device=device, dtype=torch.int32)
-    return _window_matrix(pos, window).unsqueeze(0).expand(batch, -1, -1)
-
-
-def window_idxs_thd(window: int, cu_seqlens: Tensor, total: int) -> Tensor:
-    """``(T, W)`` per-segment local window ids; rows past the last boundary are all -1."""
-    seg = batch_of_row(cu_seqlens, total)
-    rows = torch.arange(total, device=cu_seqlens.device, dtype=torch.int64)
-    inside = rows < cu_seqlens.long()[-1]
-    pos = torch.where(inside, rows - cu_seqlens.long()[seg], 0)
-    ids = _window_matrix(pos, window)
-    return torch.where(inside.unsqueeze(-1), ids, torch.full_like(ids, -1)).int()
+    return window_matrix(pos, window).unsqueeze(0).expand(batch, -1, -1)
 
 
 def compress_idxs_sbhd(ratio: int, batch: int, seqlen: int, offset: int, device) -> Tensor:
@@ -83,38 +66,11 @@ def compress_idxs_sbhd(ratio: int, batch: int, seqlen: int, offset: int, device)
     return ids.unsqueeze(0).expand(batch, -1, -1)
 
 
-def compress_idxs_thd(ratio: int, cu_q: Tensor, cu_kv: Tensor, cu_comp: Tensor, total: int, width: int) -> Tensor:
-    """``(T, width)`` per-segment ids ``len_kv_b + g`` for ``g < min((pos+1)//r, len_comp_b)``, else -1."""
-    seg = batch_of_row(cu_q, total)
-    rows = torch.arange(total, device=cu_q.device, dtype=torch.int64)
-    inside = rows < cu_q.long()[-1]
-    pos = rows - cu_q.long()[seg]
-    visible = torch.minimum(causal_visible(pos, ratio), (cu_comp[1:] - cu_comp[:-1]).long()[seg])
-    visible = torch.where(inside, visible, 0)
-    g = torch.arange(width, device=cu_q.device, dtype=torch.int64)
-    kv_len = (cu_kv[1:] - cu_kv[:-1]).long()[seg]
-    ids = torch.where(g < visible.unsqueeze(-1), g + kv_len.unsqueeze(-1), torch.full_like(g, -1))
-    return ids.int()
-
-
-# ---- global ids ---------------------------------------------------------------------------------------------------
-def local_to_global_flat(local: Tensor, batch_size: int, cu_q: Optional[Tensor] = None,
-                         cu_kv: Optional[Tensor] = None) -> Tensor:
-    """SBHD-flat: ``(B, S, K)`` -> ``(S*B, K)``, ``local * B + b``. THD: ``(T, K)`` -> ``(T, K)``,
-    ``cu_kv[b] + local``. ``-1`` stays ``-1``. int32."""
-    if cu_q is None:
-        b, s, k = local.shape
-        rows = local.permute(1, 0, 2).reshape(s * b, k)
-        batch_ids = (torch.arange(s * b, device=local.device) % b).unsqueeze(-1)
-        return torch.where(rows >= 0, rows * b + batch_ids, rows).int()
-    offset = cu_kv.long()[batch_of_row(cu_q, local.shape[0])].unsqueeze(-1)
-    return torch.where(local >= 0, local + offset, local).int()
-
-
 # ---- packed kv_full -----------------------------------------------------------------------------------------------
 def cat_per_segment(kv: Tensor, compressed: Optional[Tensor], cu_kv: Tensor, cu_comp: Tensor,
-                    cu_full: Tensor) -> Tensor:
+                    cu_full: Tensor, kv_segment: Tensor) -> Tensor:
     """``kv_full`` of the THD layout: per segment, its kv rows then its compressed rows (spec §6.2, §6.4).
+    ``kv_segment``: the segment of each kv row (self-attention: the query rows', :class:`fused.rows.RowSpace`).
 
     ``compressed`` may have capacity rows past the true count ``cu_comp[-1]``. The buffer has
     ``total_kv + capacity`` rows: valid rows land in ``[0, cu_full[-1])``, invalid kv rows (slack) in the last slot,
@@ -127,7 +83,7 @@ def cat_per_segment(kv: Tensor, compressed: Optional[Tensor], cu_kv: Tensor, cu_
     rows = kv_full_rows(total_kv, capacity, cu_comp)
     out = torch.full((rows,) + tuple(kv.shape[1:]), float("nan"), dtype=kv.dtype, device=kv.device)
 
-    seg = batch_of_row(cu_kv, total_kv)
+    seg = kv_segment
     src = torch.arange(total_kv, device=kv.device)
     dst = cu_full.long()[seg] + (src - cu_kv.long()[seg])
     out[torch.where(src < cu_kv.long()[-1], dst, rows - 1)] = kv

@@ -17,8 +17,8 @@ from cases.layout import PackedSeqParams
 
 from . import ops
 from .compressor import compress_sbhd, compress_thd
-from .index_maps import batch_of_row, causal_visible
 from .plan import kernels
+from .rows import RowSpace
 from .thd import ThdMeta
 
 Tensor = torch.Tensor
@@ -52,52 +52,35 @@ def fold_indexer_scale(w: Tensor, scale: float) -> Tensor:
     return (w.to(ops.compute_dtype(w.dtype)) * scale).to(w.dtype)
 
 
-def visible_counts(ratio: int, n_comp: int, rows_bshd: Optional[tuple], thd: Optional[ThdMeta],
-                   cu_comp: Optional[Tensor], device) -> Tensor:
-    """Per query row, the number of ratio-causal compressed keys (int32): ``(B*S,)`` b-major, or ``(T,)``."""
-    if thd is None:
-        batch, seqlen = rows_bshd
-        per_q = causal_visible(torch.arange(seqlen, device=device), ratio).clamp(max=n_comp)
-        return per_q.repeat(batch).int()
-    seg = batch_of_row(thd.cu, thd.total)
-    rows = torch.arange(thd.total, device=device)
-    inside = rows < thd.cu.long()[-1]
-    pos = rows - thd.cu.long()[seg]
-    n_seg = (cu_comp[1:] - cu_comp[:-1]).long()[seg]
-    causal = causal_visible(pos, ratio)
-    return torch.where(inside, torch.minimum(causal, n_seg), 0).int()
-
-
-def select_topk(q: Tensor, k: Tensor, w_scaled: Tensor, topk: int, ratio: int, thd: Optional[ThdMeta],
+def select_topk(q: Tensor, k: Tensor, w_scaled: Tensor, topk: int, ratio: int, rows: RowSpace,
                 cu_comp: Optional[Tensor], max_comp: int) -> tuple[Tensor, Tensor, Tensor]:
     """``_indexer_topk_core``: ``(topk_ids int32, scores, visible)``.
 
     BSHD (``q (B,S,nI,dI)``, ``k (B,n_comp,dI)``, ``w (B,S,nI)``): ids ``(B,S,K)``, scores ``(B,S,n_comp)``.
     THD (``q (T,nI,dI)``, ``k (rows,dI)``, ``w (T,nI)``): ids ``(T,K)``, scores ``(T,max_comp)``. Ids are local
-    compressed ids, slot order as the top-k kernel returns them, ``-1`` padded to ``K``.
+    compressed ids, slot order as the top-k kernel returns them, ``-1`` padded to ``K``; ``visible`` (int32) is
+    :meth:`RowSpace.visible`.
     """
-    if thd is None:
+    if not rows.is_thd:
         batch, seqlen = q.shape[:2]
         n_keys = k.shape[1]
         scores = kernels.indexer_forward(q, k.unsqueeze(2), w_scaled, ratio=ratio)["scores"]
-        visible = visible_counts(ratio, n_keys, (batch, seqlen), None, None, q.device)
         flat = scores.reshape(batch * seqlen, n_keys).contiguous()
     else:
         n_keys = max_comp
-        scores = kernels.indexer_forward(q, k.unsqueeze(1), w_scaled, ratio=ratio, cu_seqlens_q=thd.cu,
-                                         cu_seqlens_k=cu_comp, max_seqlen_q=thd.max_seqlen,
-                                         max_seqlen_k=max_comp)["scores"]
-        visible = visible_counts(ratio, n_keys, None, thd, cu_comp, q.device)
+        scores = kernels.indexer_forward(q, k.unsqueeze(1), w_scaled, ratio=ratio,
+                                         **rows.kernel_kwargs(cu_comp, max_comp))["scores"]
         flat = scores.contiguous()
+    visible = rows.visible(ratio, n_keys, cu_comp).int()
     width = min(topk, n_keys)
     ids = kernels.indexer_top_k(flat, visible, top_k=width, next_n=1, return_val=False)["indices"]
     if width < topk:
         ids = pad_topk(ids, topk)
-    if thd is not None:  # keep only in-range, finite selections (production's THD post-filter)
+    if rows.is_thd:  # keep only in-range, finite selections (production's THD post-filter)
         ok = (ids >= 0) & (ids < visible.unsqueeze(-1))
         picked = torch.gather(flat, 1, ids.clamp(0, max(n_keys - 1, 0)).long()) if n_keys else flat.new_zeros(ids.shape)
         ids = ids.masked_fill(~(ok & torch.isfinite(picked)), -1)
-    return (ids if thd is not None else ids.view(batch, seqlen, topk)).int(), scores, visible
+    return (ids if rows.is_thd else ids.view(batch, seqlen, topk)).int(), scores, visible
 
 
 def pad_topk(ids: Tensor, topk: int) -> Tensor:
@@ -137,9 +120,11 @@ def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, t
     if thd is None:
         x, qr = hidden.detach().transpose(0, 1), q_latent.detach().transpose(0, 1)
         positions = torch.arange(x.shape[0], device=x.device).view(-1, 1, 1)
+        rows = RowSpace.sbhd(x.shape[0], x.shape[1], x.device)
     else:
         x, qr = hidden.detach(), q_latent.detach()
         positions = thd.positions().view(-1, 1)
+        rows = RowSpace.packed(thd)
     q, k, w, cu_comp = indexer_inputs(x, qr, params, c, positions, thd)
     w = fold_indexer_scale(w, c.indexer_softmax_scale)
     max_comp = thd.max_seqlen // 4 if thd is not None else (0 if k is None else k.shape[0])
@@ -147,7 +132,7 @@ def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, t
         return empty_indexer_outputs(x, c, thd, max_comp)
     if thd is None:
         q, k, w = (t.transpose(0, 1).contiguous() for t in (q, k, w))
-    ids, scores, _ = select_topk(q, k, w, c.dsa_indexer_topk, 4, thd, cu_comp, max_comp)
+    ids, scores, _ = select_topk(q, k, w, c.dsa_indexer_topk, 4, rows, cu_comp, max_comp)
     return scores, public_topk(ids)
 
 

@@ -27,9 +27,9 @@ from typing import Optional, Union
 
 import torch
 
-from .index_maps import batch_of_row, local_to_global_flat
 from .indexer import fold_indexer_scale, mask_split_topk, select_topk
 from .plan import kernels
+from .rows import RowSpace
 from .sparse_attention import backward_index_state, compact, flash_mla_forward, sparse_attention_backward
 from .thd import ThdMeta
 
@@ -49,12 +49,18 @@ class LossSpec:
     sparse: bool
     per_token: bool
     real_rows: Union[int, Tensor]       # divisor of the mean reduction (THD: a device tensor, graph-safe)
-    kv_offset: int = 0                  # SBHD: first compressed row of kv_full
-    thd: Optional[ThdMeta] = None
+    rows: RowSpace                      # the call's query rows (both layouts)
     cu_kv_full: Optional[Tensor] = None
     cu_comp: Optional[Tensor] = None
     max_comp: int = 0
-    padding_rows: Optional[Tensor] = None
+
+    @property
+    def thd(self) -> Optional[ThdMeta]:
+        return self.rows.thd
+
+    @property
+    def padding_rows(self) -> Optional[Tensor]:
+        return self.rows.padding
 
 
 def _fake_bshd(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -158,10 +164,8 @@ class PathB:
         return self.q_flat.shape[0]
 
     def thd_kwargs(self) -> dict:
-        """The varlen keywords of the THD dense-loss kernels (``max_seqlen_*`` are host ints: required)."""
-        thd, spec = self.thd, self.spec
-        return dict(cu_seqlens_q=thd.cu, cu_seqlens_k=spec.cu_comp, max_seqlen_q=thd.max_seqlen,
-                    max_seqlen_k=spec.max_comp)
+        """The varlen keywords of the THD dense-loss kernels (``{}`` for SBHD)."""
+        return self.spec.rows.kernel_kwargs(self.spec.cu_comp, self.spec.max_comp)
 
 
 def path_b_inputs(query: Tensor, kv_full: Tensor, q_indexer: Tensor, k_indexer: Tensor, weights: Tensor,
@@ -178,18 +182,13 @@ def path_b_inputs(query: Tensor, kv_full: Tensor, q_indexer: Tensor, k_indexer: 
 
 def select_keys(st: PathB, window_idxs: Tensor, split_topk: Optional[Tensor]) -> None:
     """Step 1: indexer scores + top-k; ids ``[compressed K | window W]`` made flat-global and compacted."""
-    spec, thd = st.spec, st.thd
+    spec, rows = st.spec, st.spec.rows
     w_scaled = fold_indexer_scale(st.w_i, spec.indexer_scale)
-    st.own_topk, st.raw_scores, visible = select_topk(st.q_i, st.k_i, w_scaled, spec.topk, spec.ratio, thd,
+    st.own_topk, st.raw_scores, visible = select_topk(st.q_i, st.k_i, w_scaled, spec.topk, spec.ratio, rows,
                                                       spec.cu_comp, spec.max_comp)
     st.topk_cmp = st.own_topk if split_topk is None else mask_split_topk(split_topk, visible, spec.topk)
-    if thd is not None:
-        kv_len = (thd.cu[1:] - thd.cu[:-1]).long()[batch_of_row(thd.cu, st.physical_rows)].unsqueeze(-1)
-        st.comp_ids = torch.where(st.topk_cmp >= 0, st.topk_cmp + kv_len, -1)
-        global_idxs = local_to_global_flat(torch.cat([st.comp_ids, window_idxs], -1), -1, thd.cu, spec.cu_kv_full)
-    else:
-        st.comp_ids = torch.where(st.topk_cmp >= 0, st.topk_cmp + spec.kv_offset, -1)
-        global_idxs = local_to_global_flat(torch.cat([st.comp_ids, window_idxs], -1), st.batch)
+    st.comp_ids = torch.where(st.topk_cmp >= 0, st.topk_cmp + rows.compressed_offset(), -1)
+    global_idxs = rows.to_global(torch.cat([st.comp_ids, window_idxs], -1), spec.cu_kv_full)
     st.window_global = global_idxs[:, spec.topk:]
     st.global_idxs, st.topk_length = compact(global_idxs)
 
@@ -223,7 +222,7 @@ def detach_teacher_inputs(st: PathB, query: Tensor, kv_full: Tensor, compressed_
         st.q_det, st.k_comp_det = query.detach(), compressed_kv.detach()
     else:
         st.q_det = query.detach().permute(1, 0, 2, 3).contiguous()
-        st.k_comp_det = kv_full[st.spec.kv_offset:].detach().permute(1, 0, 2).contiguous()
+        st.k_comp_det = kv_full[st.spec.rows.compressed_offset():].detach().permute(1, 0, 2).contiguous()
 
 
 def kl_rows_and_grads(st: PathB, teacher: Tensor, scores: Tensor, topk_cmp: Tensor) -> tuple[Tensor, list]:
@@ -237,7 +236,7 @@ def kl_rows_and_grads(st: PathB, teacher: Tensor, scores: Tensor, topk_cmp: Tens
             teacher.reshape(st.seqlen, st.batch, n).permute(1, 0, 2).contiguous()
         picked = torch.gather(scores, -1, topk_cmp.clamp(min=0).long())
         predict = torch.softmax(torch.where(topk_cmp >= 0, picked, torch.finfo(torch.float32).min), dim=-1)
-        topk_target = local_to_global_flat(topk_cmp, -1, thd.cu, spec.cu_comp) if thd is not None else topk_cmp
+        topk_target = spec.rows.to_global(topk_cmp, spec.cu_comp) if thd is not None else topk_cmp
         args = (st.q_det, st.k_comp_det, sparse_teacher, topk_target)
         if thd is not None:
             args = _fake_bshd(*args)
@@ -250,14 +249,14 @@ def kl_rows_and_grads(st: PathB, teacher: Tensor, scores: Tensor, topk_cmp: Tens
             return kl_rows, None
         bwd = (st.q_i, st.w_i, st.k_i, target.clone(), predict.clone(), topk_cmp)
         if thd is not None:
-            bwd = _fake_bshd(*bwd[:5], local_to_global_flat(topk_cmp, -1, thd.cu, spec.cu_comp))
+            bwd = _fake_bshd(*bwd[:5], spec.rows.to_global(topk_cmp, spec.cu_comp))
         ig = kernels.indexer_backward(*bwd, grad_loss=unit_grad, sm_scale=spec.indexer_scale, loss_coeff=coeff_k,
                                       block_I=128, topk_indices_global=thd is not None)
         grads = [ig["d_index_q"], ig["d_weights"], ig["d_index_k"]]
         grads = [_drop_fake_batch(g) for g in grads] if thd is not None else [bshd_to_sbhd(g) for g in grads]
     else:
         index_lse = torch.logsumexp(scores, dim=-1)
-        thd_kwargs = st.thd_kwargs() if thd is not None else {}
+        thd_kwargs = st.thd_kwargs()
         res = kernels.dense_attn_score_recompute(st.q_det, st.k_comp_det.unsqueeze(1 if thd is not None else 2),
                                                  teacher, spec.scale, qhead_per_kv_head=n, ratio=spec.ratio,
                                                  **thd_kwargs)

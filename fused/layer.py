@@ -15,6 +15,7 @@ from cases.outputs import AttentionOutput
 
 from . import ops
 from .core_attention import check_split_topk, public_output, run_core
+from .rows import RowSpace
 from .thd import ThdMeta
 
 Tensor = torch.Tensor
@@ -34,10 +35,12 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
     if packed:
         thd = ThdMeta.from_params(packed_seq_params, hidden.shape[0])
         x, rows_pos = hidden, thd.positions()
+        rows = RowSpace.packed(thd)
     else:
         thd = None
         x = hidden.transpose(0, 1)  # production's SBHD
         rows_pos = torch.arange(x.shape[0], device=x.device).view(-1, 1)
+        rows = RowSpace.sbhd(x.shape[0], x.shape[1], x.device)
     n, d, eps = c.num_attention_heads, c.v_head_dim, c.layernorm_epsilon
     head_pos = rows_pos.unsqueeze(-1)  # one position per row, shared by the heads
 
@@ -48,7 +51,7 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
     q = ops.apply_rope(q, head_pos, c)
     kv = ops.apply_rope(kv, rows_pos, c)
 
-    res = run_core(q, kv, x, qr, params, c, thd, training, topk_indices, head_pos)
+    res = run_core(q, kv, x, qr, params, c, rows, training, topk_indices, head_pos)
 
     o = ops.apply_rope(res.out, head_pos, c, inverse=True)  # out of place: the backward keeps the core output
     groups, rank = c.o_groups, c.o_lora_rank

@@ -10,7 +10,7 @@ import torch
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 
-from .index_maps import batch_of_row, real_row_mask_thd
+from .index_maps import batch_of_row
 
 Tensor = torch.Tensor
 
@@ -18,13 +18,15 @@ Tensor = torch.Tensor
 @dataclass(frozen=True)
 class ThdMeta:
     """``cu``: the **padded** boundaries (every offset uses them); ``cu_real``: real lengths (masking only);
-    ``total``: packed rows; ``max_seqlen``: host int; ``capacity``: host compressed-row capacity or None."""
+    ``total``: packed rows; ``max_seqlen``: host int; ``capacity``: host compressed-row capacity or None;
+    ``segment``: the segment of each of the ``total`` rows (int64, looked up once; slack rows: the last segment)."""
 
     cu: Tensor
     cu_real: Tensor
     total: int
     max_seqlen: int
     capacity: Optional[int]
+    segment: Tensor
 
     @classmethod
     def from_params(cls, psp: PackedSeqParams, total: int) -> "ThdMeta":
@@ -37,24 +39,18 @@ class ThdMeta:
                 raise CaseError(f"packed_seq_params.{name}", f"must be a 1-D int32 tensor, got {t.dtype} "
                                                              f"{tuple(t.shape)}")
         return cls(cu=cu, cu_real=psp.cu_seqlens_q, total=int(total), max_seqlen=int(psp.max_seqlen_q),
-                   capacity=None if psp.total_comp_capacity is None else int(psp.total_comp_capacity))
+                   capacity=None if psp.total_comp_capacity is None else int(psp.total_comp_capacity),
+                   segment=batch_of_row(cu, int(total)))
 
     def positions(self) -> Tensor:
         """RoPE position of every row: its offset from its padded segment's start (restarts per segment)."""
         rows = torch.arange(self.total, device=self.cu.device)
-        return rows - self.cu.long()[batch_of_row(self.cu, self.total)]
+        return rows - self.cu.long()[self.segment]
 
     def compressor_boundaries(self) -> Tensor:
         """The boundaries the compressors segment the pack by: the **padded** ones (a segment's blocks start at its
         padded start, like every other offset; the real boundaries only mark padding rows)."""
         return self.cu
-
-    def padding_rows(self) -> Optional[Tensor]:
-        """Bool ``(T,)`` of rows that are not real tokens (alignment padding, dummy segments, slack).
-
-        Always the mask (possibly all False), never decided on the host: a CUDA graph captured on one packing is
-        replayed on others, so the composition must not branch on the packing's values."""
-        return ~real_row_mask_thd(self.cu_real, self.cu, self.total)
 
     def num_real_rows(self) -> int:
         return int(self.cu_real[-1])

@@ -20,21 +20,18 @@ from cases.errors import CaseError
 
 from .impls import policy_provider
 from .policy import POLICY_PATH, validate
+from .results import StreamError, read_stream
 
 # metric -> how to take the worst: "max" of the value, or "min" (similarities)
 GATED = {"noise_floor_ratio": "max", "rmse_ratio": "max", "scale_ratio": "max", "cosine": "min",
          "tensor_sim": "min", "tied_gap_ratio": "max"}
 
 
-def _rows(path: Path):
-    path = path / "results.jsonl" if path.is_dir() else path
-    if not path.exists():
-        raise CaseError("results", f"{path} not found")
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
-            continue
+def _rows(path: Path) -> list[dict]:
+    try:
+        return read_stream(path)
+    except StreamError as exc:
+        raise CaseError("results", str(exc)) from None
 
 
 def _worse(metric: str, value: float, than: float) -> bool:
@@ -54,9 +51,11 @@ def measure(paths: Sequence[Path], include_failures: bool = False) -> tuple[dict
                 run = row
             elif kind == "case":
                 if row.get("outcome") == "pass" or (include_failures and row.get("outcome") == "fail"):
-                    cases[row["case_id"]] = (row["case"]["dtype"],
-                                             policy_provider(row.get("plan") or {}, run.get("provider", "torch")))
-            elif kind == "metric" and row["metric"] in GATED and row["case_id"] in cases and row["value"] is not None:
+                    case = row.get("case") if isinstance(row.get("case"), dict) else {}
+                    cases[row.get("case_id")] = (str(case.get("dtype", "?")),
+                                                 policy_provider(row.get("plan") or {}, run.get("provider", "torch")))
+            elif kind == "metric" and row.get("metric") in GATED and row.get("case_id") in cases and \
+                    isinstance(row.get("value"), (int, float)) and isinstance(row.get("tensor_class"), str):
                 dtype, provider = cases[row["case_id"]]
                 key = (row["tensor_class"], dtype, provider)
                 value = float(row["value"])

@@ -20,7 +20,6 @@ throughput claim (informational: speed is reported, never asserted).
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,6 +28,9 @@ from typing import Any, Optional
 
 CASE_FIELDS = ("outcome", "decided_by", "first_failure", "message", "plan", "topk", "features")
 TENSOR_FIELDS = ("tensor_class", "dtype", "shape", "verdict", "rule")
+
+
+from .results import StreamError, read_stream
 
 
 class RunsError(ValueError):
@@ -61,14 +63,14 @@ def load(path: Path | str) -> RunRecord:
     """Read a run directory or ``results.jsonl`` (torn lines skipped; a case written twice: the last one kept)."""
     record = RunRecord(results_path(path))
     tensors, metrics = defaultdict(dict), defaultdict(dict)
-    for line in record.path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(row, dict):
-            continue
+    try:
+        rows = read_stream(record.path)
+    except StreamError as exc:
+        raise RunsError(str(exc)) from None
+    for row in rows:
         kind = row.get("type")
+        if kind in ("case", "tensor", "metric") and not isinstance(row.get("case_id"), str):
+            continue  # not a row this command can place
         if kind == "run":
             record.run = record.run or row
         elif kind == "end":
@@ -81,9 +83,9 @@ def load(path: Path | str) -> RunRecord:
                 metrics.pop(cid, None)
             record.cases[cid] = row
         elif kind == "tensor":
-            tensors[row["case_id"]][row["tensor"]] = row
+            tensors[row["case_id"]][row.get("tensor")] = row
         elif kind == "metric":
-            metrics[row["case_id"]][(row["tensor"], row["metric"])] = row
+            metrics[row["case_id"]][(row.get("tensor"), row.get("metric"))] = row
     record.tensors, record.metrics = dict(tensors), dict(metrics)
     return record
 

@@ -13,15 +13,22 @@ oracle                 property                                                 
 ``identical-segments`` segments whose leading rows are equal give equal rows (causality: equal prefixes →     ulp
                        equal forward rows; fully equal segments → equal input gradients too)
 ``determinism``        two runs on the same tensors are bit-identical, padding rows included                 exact
+``graph-replay``       a forward + backward captured in a CUDA graph on the case's packing, replayed after   graph
+                       overwriting cu_seqlens / dO in place with other packings of the buffer, equals an eager
+                       run on each packing; control: it differs from the capture packing's eager result
+                       (CUDA only: ``unsupported`` elsewhere)
 =====================  ====================================================================================  =====
 
 Rule ``exact``: every compared element bit-identical (``n_diff == 0``). Rule ``ulp``: ``max|a - b|`` at most
 ``ulps · eps(dtype) · max|b|`` (policy ``metamorphic.<dtype>.ulps``) — the two runs differ only in buffer shapes
-and packing, so only reduction-order noise is allowed.
+and packing, so only reduction-order noise is allowed. Rule ``graph``: top-k ids exact, every other tensor exact or
+``rel_l2 <=`` policy ``kernels.graph_replay.rel_l2`` (a replayed backward reorders fp32 atomics; bf16 rounding
+follows).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -34,6 +41,7 @@ from cases.coverage import features
 from cases.layout import BshdLayout, ThdLayout
 from cases.tensors import CaseTensors, materialize
 
+from . import graph_replay
 from . import metrics
 from . import policy as policy_mod
 from .engine import RunOptions, _where, one_line
@@ -276,6 +284,63 @@ def _determinism(case: Case, runner, ulps: float) -> list:
     return [compare(name, case, second[name], first[name], "exact", ulps) for name in first.names]
 
 
+def _replay_result(name: str, case: Case, replayed: Optional[torch.Tensor], eager: Optional[torch.Tensor],
+                   limit: float) -> TensorResult:
+    """Rule ``graph``: bit-identical, or (float tensors but top-k) ``rel_l2 <= limit``, infinities as 0."""
+    exact = compare(name, case, replayed, eager, "exact", 0.0)
+    if exact.verdict == "pass" or exact.rule == "structure" or not replayed.is_floating_point():
+        return exact
+    a, b = (torch.nan_to_num(metrics.as_f64(x), posinf=0.0, neginf=0.0) for x in (replayed, eager))
+    rel = metrics.rel_l2(a, b)
+    ok = rel <= limit
+    return TensorResult(name, exact.tensor_class, exact.dtype, exact.shape, "pass" if ok else "fail", "graph",
+                        "" if ok else f"{name}: replay vs eager rel_l2 {rel:.3g} > {limit:g}",
+                        [exact.metrics[0], MetricRow("rel_l2", rel, limit, ok)])
+
+
+def _graph_replay(case: Case, runner, ulps: float, capture: Optional[Callable] = None) -> list:
+    """``capture``: ``fn -> (graph, static result)``; the CUDA graph capture unless a test passes a stand-in."""
+    if capture is None:
+        if runner.device != "cuda":
+            raise NotImplementedError("graph-replay captures a CUDA graph: it needs a CUDA device")
+        capture = graph_replay.capture_graph
+    limit = float(runner.policy.kernel_entry("graph_replay")["rel_l2"])
+    device = runner.device
+    layouts = [graph_replay.static_layout(lay, case.config.compress_ratio)
+               for lay in [case.layout] + graph_replay.repackings(case.layout)]
+    T = materialize(case, device)
+    with runner.block():
+        # fresh buffers: no aliasing
+        eager = [graph_replay.GraphStep(runner.impl.api, case, T, lay).run() for lay in layouts]
+        step = graph_replay.GraphStep(runner.impl.api, case, T, layouts[0])
+        graph, static = capture(step.run)
+    reals = [lay.real_row_mask("cpu") for lay in layouts]
+    out = []
+    for i, lay in enumerate(layouts):
+        step.set_packing(lay)
+        graph.replay()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        replayed = {k: v.clone() for k, v in static.items()}
+        for name in sorted(set(eager[i]) | set(replayed)):
+            a, b = replayed.get(name), eager[i].get(name)
+            if is_row_tensor(name):
+                index = reals[i].nonzero().squeeze(1)
+                a, b = _rows(a, index), _rows(b, index)
+            out.append(_replay_result(f"pack{i}:{name}", case, a, b, limit))
+        if i:  # control: the packings must be told apart, else a replay that ignored the new boundaries would pass
+            index = reals[i].nonzero().squeeze(1)
+            same = [_replay_result(name, case, _rows(e, index) if is_row_tensor(name) else e,
+                                   _rows(eager[0].get(name), index) if is_row_tensor(name) else eager[0].get(name),
+                                   limit).verdict == "pass" for name, e in eager[i].items()]
+            differs = not all(same)
+            out.append(TensorResult(f"pack{i}:control", "out", "none", [], "pass" if differs else "fail", "control",
+                                    "" if differs else f"pack{i}: its eager result equals the capture packing's on its "
+                                    f"rows: the check cannot tell a replay that kept the old boundaries",
+                                    [MetricRow("differs_from_capture_packing", float(differs), 1.0, differs)]))
+    return out
+
+
 def _thd(case: Case) -> bool:
     return isinstance(case.layout, ThdLayout)
 
@@ -300,6 +365,8 @@ ORACLES = {
                                  _multi, _identical_segments),
     "determinism": Oracle("determinism", "two runs are bit-identical (padding rows included)", lambda c: True,
                           _determinism),
+    "graph-replay": Oracle("graph-replay", "a CUDA graph replayed on other packings equals eager (CUDA only)",
+                           lambda c: _thd(c) and bool(graph_replay.repackings(c.layout)), _graph_replay),
 }
 
 
@@ -310,9 +377,19 @@ def applicable(name: str, case: Case) -> bool:
 class _Runner:
     """Runs the implementation under test (its provider context) on given tensors."""
 
-    def __init__(self, impl: Implementation, provider: str, device: str, require: Optional[str] = None):
+    def __init__(self, impl: Implementation, provider: str, device: str, require: Optional[str] = None,
+                 policy: Optional[policy_mod.Policy] = None):
         self.impl, self.provider, self.device, self.require = impl, provider, device, require
+        self.policy = policy or policy_mod.default()
         self.plan: dict = {}
+
+    @contextlib.contextmanager
+    def block(self):
+        """The implementation's provider context around code that calls it directly; records what ran."""
+        with self.impl.context(self.provider, self.require)() as handle:
+            yield handle
+        for stage, provider in (getattr(handle, "record", None) or {}).items():
+            self.plan.setdefault(stage, provider)
 
     def __call__(self, case: Case, tensors: CaseTensors) -> Snapshot:
         snap = take_snapshot(self.impl.api, case, tensors, context=self.impl.context(self.provider, self.require))
@@ -341,7 +418,7 @@ def run_oracle(name: str, case: Case, impl: Implementation, options: RunOptions,
         return finish("unsupported", "device", "the case needs a CUDA device")
     if not oracle.applies(case):
         return finish("unsupported", "oracle", f"oracle {name} does not apply to this case")
-    runner = _Runner(impl, provider, device, options.require)
+    runner = _Runner(impl, provider, device, options.require, policy)
     try:
         tensors = oracle.check(case, runner, policy.metamorphic_ulps(case.dtype))
     except Exception as exc:  # noqa: BLE001

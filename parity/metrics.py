@@ -104,6 +104,15 @@ def scale_error(a: torch.Tensor, r: torch.Tensor) -> float:
     return abs(na / nr - 1.0)
 
 
+def mixed_error(a: torch.Tensor, r: torch.Tensor) -> float:
+    """``max |a - r| / (1 + |r|)``: absolute below ``|r| = 1``, relative above (an ``atol = rtol`` test's metric)."""
+    return float(((a - r).abs() / (1 + r.abs())).max()) if a.numel() else 0.0
+
+
+def nan_count(x: torch.Tensor) -> int:
+    return int(torch.isnan(x).sum()) if x.is_floating_point() else 0
+
+
 # ---- noise-floor metrics ---------------------------------------------------------------------------------------------
 def ulp_floor(r: torch.Tensor, dtype: torch.dtype, ulps: float) -> float:
     """``ulps · eps(dtype) · max|r|``: the tensor-wide absolute floor."""

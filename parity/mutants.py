@@ -65,10 +65,8 @@ def _teacher_compressed_only(original: Callable) -> Callable:
         if not st.spec.sparse:
             no_window = dataclasses.replace(st, window_global=torch.full_like(st.window_global, -1))
             return original(no_window, torch.full_like(sink, float("-inf")))
-        index_maps = sys.modules["fused.index_maps"]
         attention = sys.modules["fused.sparse_attention"]
-        comp_global = (index_maps.local_to_global_flat(st.comp_ids, -1, st.thd.cu, st.spec.cu_kv_full)
-                       if st.thd is not None else index_maps.local_to_global_flat(st.comp_ids, st.batch))
+        comp_global = st.spec.rows.to_global(st.comp_ids, st.spec.cu_kv_full)
         ids, length = attention.compact(comp_global)
         return attention.flash_mla_forward(st.q_flat, st.kv_flat, ids, st.spec.scale, None, length)[1]
     return teacher

@@ -6,7 +6,10 @@ Layout::
      "classes": {CLASS: {DTYPE: {PROVIDER: ENTRY}}},   # "*" is the fallback at the dtype and provider levels
      "topk": {DTYPE or "*": {"margin_factor": 1.0,    # score noise δ = margin_factor · (observed noise + floor)
                              "ulps": 4}},              # ULP floor of the score noise (parity/topk.py)
-     "metamorphic": {DTYPE: {"ulps": 64}}}     # the ``ulp`` rule of the oracles (parity/metamorphic.py)
+     "metamorphic": {DTYPE: {"ulps": 64}},     # the ``ulp`` rule of the oracles (parity/metamorphic.py)
+     "kernels": {"rules": {RULE: {"mixed": 1e-4, "rel_l2": ..., "cosine": ..., "exact": true, "measured": {...}}},
+                 "capture": {"rel_l2": 1e-3, "measured": {...}},        # kernel-level checks (parity/kernel_rules.py)
+                 "graph_replay": {"rel_l2": 2e-2, "measured": {...}}}}  # the graph-replay oracle
 
 ``CLASS`` is a tensor class (``out lse index_scores topk loss grad_input grad_param grad_indexer``), ``DTYPE`` the case dtype,
 ``PROVIDER`` the fused kernel provider (``torch``, ``cudnn``, ...). An ``ENTRY`` holds the thresholds of the layered
@@ -96,6 +99,54 @@ class Policy:
         sec = self.section("metamorphic")
         return float(sec.get(dtype, sec.get("*", {})).get("ulps", 64))
 
+    def kernel_entry(self, name: str) -> Mapping[str, Any]:
+        """``kernels.rules.<name>`` (a kernel-check rule), or ``kernels.capture`` / ``kernels.graph_replay``."""
+        sec = self.section("kernels")
+        entry = sec.get(name) if name in KERNEL_LIMITS else sec.get("rules", {}).get(name)
+        if entry is None:
+            where = f"kernels.{name}" if name in KERNEL_LIMITS else f"kernels.rules.{name}"
+            raise CaseError(f"policy.{where}", f"missing in {self.path or 'the policy'}")
+        return entry
+
+
+KERNEL_BOUNDS = ("mixed", "rel_l2", "cosine")
+KERNEL_LIMITS = ("capture", "graph_replay")
+
+
+def _check_bound(value: Any, at: str, upper: Optional[float] = None) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (upper and value > upper):
+        raise CaseError(at, f"must be a number in [0, {upper or 'inf'}], got {value!r}")
+
+
+def validate_kernels(section: Any, where: str = "policy.kernels") -> None:
+    """Raise :class:`CaseError` naming the first malformed field of the ``kernels`` section."""
+    if not isinstance(section, Mapping) or not isinstance(section.get("rules"), Mapping):
+        raise CaseError(f"{where}.rules", "missing or not an object")
+    for name, rule in section["rules"].items():
+        at = f"{where}.rules.{name}"
+        if not isinstance(rule, Mapping):
+            raise CaseError(at, "not an object")
+        unknown = set(rule) - set(KERNEL_BOUNDS) - {"exact", "measured", "why"}
+        if unknown:
+            raise CaseError(f"{at}.{sorted(unknown)[0]}", f"unknown field (known: exact, {', '.join(KERNEL_BOUNDS)})")
+        for key in KERNEL_BOUNDS:
+            if key in rule:
+                _check_bound(rule[key], f"{at}.{key}", 1.0 if key == "cosine" else None)
+        if "exact" in rule and not isinstance(rule["exact"], bool):
+            raise CaseError(f"{at}.exact", f"must be true or false, got {rule['exact']!r}")
+        if not rule.get("exact") and not any(key in rule for key in KERNEL_BOUNDS):
+            raise CaseError(at, "a rule needs at least one bound (exact, mixed, rel_l2, cosine): one without can "
+                                "never fail")
+        if not isinstance(rule.get("measured"), Mapping):
+            raise CaseError(f"{at}.measured", "every rule records the measured worst case it was set from")
+    for name in KERNEL_LIMITS:
+        entry = section.get(name)
+        if not isinstance(entry, Mapping):
+            raise CaseError(f"{where}.{name}", "missing or not an object")
+        _check_bound(entry.get("rel_l2"), f"{where}.{name}.rel_l2")
+        if not isinstance(entry.get("measured"), Mapping):
+            raise CaseError(f"{where}.{name}.measured", "records the measured worst case it was set from")
+
 
 def validate(data: Any, where: str = "policy") -> None:
     """Raise :class:`CaseError` naming the first malformed field."""
@@ -118,6 +169,8 @@ def validate(data: Any, where: str = "policy") -> None:
     for cls in TENSOR_CLASSES:
         if cls not in data["classes"]:
             raise CaseError(f"{where}.classes.{cls}", "missing tensor class")
+    if "kernels" in data:
+        validate_kernels(data["kernels"], f"{where}.kernels")
 
 
 def load(path: Union[str, Path, None] = None) -> Policy:

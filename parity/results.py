@@ -1,9 +1,11 @@
 """The results stream ``results.jsonl`` (schema: ARCHITECTURE.md "Results stream"): rows, writer, resume.
 
-One case's rows (``case``, then its ``tensor`` rows, then their ``metric`` rows) are appended in a single
-``write`` and flushed to disk, so a run killed at any moment leaves whole cases behind. :func:`read_for_resume`
-drops a torn last line, the rows of a case whose ``case`` row never arrived and the closing ``end`` row, and
-returns the finished case ids; the run then appends to the same file.
+One case's rows (``case``, then its ``tensor`` rows, then their ``metric`` rows) are appended in one unbuffered
+write and fsynced. The ``case`` row carries ``n_rows``, the number of ``tensor`` + ``metric`` rows that follow it
+(:func:`sealed`), so a case cut off by a kill or a full disk is recognisable. :func:`read_for_resume` keeps only the
+*finished* cases — a ``case`` row followed by all its ``n_rows`` rows, whose outcome is not ``error`` (an error is
+retried) — and drops everything else: torn lines, cut-off cases, errored cases and the closing ``end`` row; the run
+then appends to the same file. A write that fails (disk full, file-size limit) raises :class:`ResultsWriteError`.
 
 Every line is strict JSON: a NaN metric value is written as ``null`` and ±inf as ±1.7976931348623157e308 (the
 largest double), so any JSON reader accepts the stream and an infinite error still sorts as the worst.
@@ -103,22 +105,38 @@ def dumps(row: dict) -> str:
     return json.dumps(row, separators=(",", ":"), allow_nan=False)
 
 
+def sealed(rows: list[dict]) -> list[dict]:
+    """One case's rows with ``n_rows`` (the count of rows after the ``case`` row) recorded on its ``case`` row."""
+    rows[0]["n_rows"] = len(rows) - 1
+    return rows
+
+
+class ResultsWriteError(OSError):
+    """The results stream could not be written (disk full, file-size limit, I/O error)."""
+
+
 class ResultsWriter:
-    """Append-only JSONL writer; each :meth:`write` is one ``write`` + flush + fsync."""
+    """Append-only JSONL writer; each :meth:`write` is unbuffered ``os.write`` calls + fsync (nothing is left in a
+    buffer to be flushed half-way later when a write fails)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, rows: Iterable[dict]) -> None:
-        blob = "".join(dumps(r) + "\n" for r in rows)
-        self._fh.write(blob)
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        blob = memoryview("".join(dumps(r) + "\n" for r in rows).encode("utf-8"))
+        try:
+            while blob:
+                blob = blob[os.write(self._fd, blob):]
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise ResultsWriteError(exc.errno, f"cannot write {self.path}: {exc.strerror}") from None
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> "ResultsWriter":
         return self
@@ -142,6 +160,67 @@ def read_rows(path: Path) -> list[dict]:
 class Existing:
     run_row: Optional[dict]
     outcomes: dict  # case_id -> outcome, finished cases in file order
+    cut: list = field(default_factory=list)      # case ids whose rows were cut off (re-run)
+    errored: list = field(default_factory=list)  # case ids that ended in an error (re-run)
+
+
+def parse_lines(text: str) -> list[dict]:
+    """The JSON object rows of a stream, skipping torn or foreign lines."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn line from a killed run
+        if isinstance(row, dict) and "type" in row:
+            rows.append(row)
+    return rows
+
+
+class StreamError(ValueError):
+    """A results stream that cannot be read (missing, binary, not a dsv4-parity stream)."""
+
+
+def read_stream(path: Path) -> list[dict]:
+    """The rows of a ``results.jsonl`` (or of the one in a run directory); torn lines skipped. Raises
+    :class:`StreamError` for a missing or binary file and one without a ``run`` row."""
+    path = Path(path)
+    path = path / "results.jsonl" if path.is_dir() else path
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise StreamError(f"no results file at {path}") from None
+    except OSError as exc:
+        raise StreamError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise StreamError(f"{path} is not a results stream: binary or not UTF-8 text") from None
+    rows = parse_lines(text)
+    if not any(r.get("type") == "run" for r in rows):
+        raise StreamError(f"{path} is not a dsv4-parity results stream (no 'run' row)")
+    return rows
+
+
+def case_blocks(rows: list[dict]) -> tuple[list[list[dict]], list[str]]:
+    """``(whole case blocks, ids of cut-off cases)``: a block is a ``case`` row and the ``n_rows`` rows of that case
+    right after it (a ``case`` row without ``n_rows``, from before it was recorded, counts as whole)."""
+    blocks, cut = [], []
+    i = 0
+    while i < len(rows):
+        head = rows[i]
+        i += 1
+        if head.get("type") != "case":
+            continue
+        body = []
+        while i < len(rows) and rows[i].get("type") in ("tensor", "metric") and \
+                rows[i].get("case_id") == head.get("case_id"):
+            body.append(rows[i])
+            i += 1
+        expected = head.get("n_rows")
+        if expected is None or expected == len(body):
+            blocks.append([head, *body])
+        else:
+            cut.append(str(head.get("case_id")))
+    return blocks, cut
 
 
 def read_for_resume(path: Path) -> Existing:
@@ -149,22 +228,24 @@ def read_for_resume(path: Path) -> Existing:
     path = Path(path)
     if not path.exists():
         return Existing(None, {})
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn line from a killed run
-        if isinstance(row, dict) and "type" in row:
-            rows.append(row)
-    finished = {r["case_id"]: r["outcome"] for r in rows if r["type"] == "case"}
-    kept = [r for r in rows if r["type"] == "run" or
-            (r["type"] in ("case", "tensor", "metric") and r.get("case_id") in finished)]
-    run_rows = [r for r in kept if r["type"] == "run"]
+    try:
+        rows = parse_lines(path.read_text(encoding="utf-8", errors="replace"))
+    except OSError as exc:
+        raise ResultsWriteError(exc.errno, f"cannot read {path}: {exc.strerror}") from None
+    blocks, cut = case_blocks(rows)
+    finished = {b[0]["case_id"]: b for b in blocks if b[0].get("outcome") != "error"}
+    errored = [b[0]["case_id"] for b in blocks if b[0].get("outcome") == "error" and b[0]["case_id"] not in finished]
+    run_rows = [r for r in rows if r["type"] == "run"]
+    kept = run_rows[:1] + [r for block in finished.values() for r in block]
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
-    return Existing(run_rows[0] if run_rows else None, finished)
+    try:
+        tmp.write_text("".join(dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ResultsWriteError(exc.errno, f"cannot rewrite {path} for resuming: {exc.strerror}") from None
+    return Existing(run_rows[0] if run_rows else None, {cid: b[0]["outcome"] for cid, b in finished.items()},
+                    cut=[c for c in cut if c not in finished], errored=errored)
 
 
 def counts(outcomes: Iterable[str]) -> dict:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -44,6 +45,8 @@ from .engine import RunOptions
 from .environment import environment
 from .execution import error_rows, execute, load_impl
 from .junit import write_junit
+from .progress import Progress
+from .rundir import check_writable_file, prepare
 from .shard import Slot
 from .worker import WorkerPool
 
@@ -111,43 +114,9 @@ class RunConfig:
     workers: Union[int, str] = 1  # N or "auto" (parity.shard.resolve_workers)
     threads: Optional[int] = None  # intra-op threads per worker (default: parity.shard.plan_slots)
     budget_s: Optional[float] = None  # start no case after this many seconds; the rest is recorded as not run
-
-
-class _Progress:
-    """A rich progress bar on a terminal; plain lines otherwise."""
-
-    def __init__(self, total: int, quiet: bool):
-        self.quiet = quiet
-        self.bar = None
-        if not quiet and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.console = Console(stderr=True)
-            self.bar = Progress(TextColumn("[bold]parity"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                TextColumn("{task.description}"), console=self.console, transient=True)
-            self.task = self.bar.add_task("", total=total)
-            self.bar.start()
-
-    def starting(self, case: Case) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, description=case.id)
-
-    def done(self, row: dict) -> None:
-        line = None
-        if row["outcome"] != "pass":
-            line = f"{row['outcome'].upper():<11} {row['case_id']}  {row['message']}"
-        if self.bar is not None:
-            self.bar.advance(self.task)
-            if line:
-                style = {"fail": "red", "error": "magenta", "unsupported": "yellow"}.get(row["outcome"], "")
-                self.console.print(line, style=style, markup=False, highlight=False)
-        elif line and not self.quiet:
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+    force: bool = False  # clear a non-empty out_dir instead of refusing it
+    link: Optional[Path] = None  # a symlink (reports/out/latest) to point at out_dir once the run row is written
+    selection: Optional[dict] = None  # how the cases were chosen, recorded on the run row for --resume
 
 
 def _isolation(config: RunConfig, workers: int) -> str:
@@ -167,7 +136,7 @@ def _tag(rows: list[dict], slot: Slot) -> list[dict]:
 
 
 def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
-    """Run ``cases``; returns ``(counts, exit code)``."""
+    """Run ``cases``; returns ``(counts, exit code)`` (2: the results could not be written)."""
     device = config.options.torch_device()
     workers = shard.resolve_workers(config.workers, device)
     mode = _isolation(config, workers)  # usage errors before anything is written
@@ -175,11 +144,29 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
         raise CaseError("threads", f"must be a positive integer, got {config.threads}")
     slots = shard.plan_slots(workers, device, threads=config.threads)
     out_dir = config.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.jsonl"
+    check_writable_file(config.junit, "junit")
+    rundir = prepare(out_dir, resume=config.resume, force=config.force)  # usage errors before anything is written
+    try:
+        return _run_locked(cases, config, device, workers, mode, slots, path)
+    finally:
+        rundir.close()
+
+
+def _resume_note(existing: results.Existing, todo: int) -> str:
+    again = []
+    if existing.cut:
+        again.append(f"{len(existing.cut)} cut off")
+    if existing.errored:
+        again.append(f"{len(existing.errored)} errored")
+    return (f"resuming: {len(existing.outcomes)} cases already done, {todo} to run"
+            + (f" (again: {', '.join(again)})" if again else ""))
+
+
+def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: int, mode: str,
+                slots: list[Slot], path: Path) -> tuple[dict, int]:
+    out_dir = config.out_dir
     existing = results.read_for_resume(path) if config.resume else results.Existing(None, {})
-    if not config.resume and path.exists():
-        path.unlink()
     todo = [c for c in cases if c.id not in existing.outcomes]
     if workers > 1:
         todo = shard.by_cost(todo, device)  # the shared queue: most expensive first (LPT)
@@ -199,17 +186,20 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
                        "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                        "argv": list(config.argv), "env": environment(device),
                        "options": asdict(opts), "workers": workers, "devices": [s.device for s in slots],
-                       "threads": threads}])
-    if config.resume and existing.outcomes:
-        print(f"resuming: {len(existing.outcomes)} cases already done, {len(todo)} to run", file=sys.stderr)
-    progress = _Progress(len(todo), config.quiet)
+                       "threads": threads, "selection": config.selection or {},
+                       "planned": [c.id for c in cases]}])
+    if config.link is not None:
+        point_link(config.link, out_dir)  # from its start, `latest` names this run
+    if config.resume and (existing.outcomes or existing.cut or existing.errored):
+        print(_resume_note(existing, len(todo)), file=sys.stderr)
+    progress = Progress(len(todo), config.quiet)
     pool = None
 
     def request(case: Case) -> dict:
         return {"case": case.to_dict(), "options": asdict(config.options), "oracle": config.oracle}
 
     def finished(case: Case, rows: list[dict], slot: Slot) -> None:
-        writer.write(_tag(rows, slot))
+        writer.write(results.sealed(_tag(rows, slot)))
         outcomes[case.id] = rows[0]["outcome"]
         progress.done(rows[0])
 
@@ -223,6 +213,7 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
                 return
             yield case
 
+    failure = None
     try:
         if mode == "none":
             for case in within_budget(todo):
@@ -237,24 +228,54 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
                 if done.retried:  # re-run alone after running out of GPU memory on a shared GPU (additive field)
                     rows[0].setdefault("retried", done.retried)
                 finished(done.key, rows, done.slot)
+    except results.ResultsWriteError as exc:
+        failure = exc
+    except KeyboardInterrupt:
+        print(f"interrupted: the finished cases are kept in {path}; continue with: "
+              f"{resume_command(out_dir)}", file=sys.stderr)
+        raise Interrupted() from None
     finally:
         progress.close()
         if pool is not None:
             pool.close()
         if threads_before is not None:
             _set_threads(threads_before)
+        if failure is not None:
+            writer.close()
     counts = results.counts(outcomes.values())
+    if failure is not None:
+        print(f"error: {failure.strerror}; the run stopped, {sum(counts.values())} finished cases are kept; free "
+              f"space, then continue with: {resume_command(out_dir)}", file=sys.stderr)
+        return counts, 2
     end = {"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}
     if not_run:
         end.update(stopped="budget", budget_s=config.budget_s, not_run=not_run)
         print(f"budget of {config.budget_s:g} s spent: {len(not_run)} of {len(cases)} cases not run "
-              f"(continue with --resume --out {out_dir})", file=sys.stderr)
-    writer.write([end])
+              f"(continue with: {resume_command(out_dir)})", file=sys.stderr)
+    code = 1 if counts["fail"] or counts["error"] or not_run else 0
+    try:
+        writer.write([end])
+    except results.ResultsWriteError as exc:
+        print(f"error: {exc.strerror}; every case finished but the end row is missing: continue with "
+              f"{resume_command(out_dir)}", file=sys.stderr)
+        code = 2
     writer.close()
     if config.junit:
-        write_junit(path, config.junit)
-    code = 1 if counts["fail"] or counts["error"] or not_run else 0
+        try:
+            write_junit(path, config.junit)
+        except OSError as exc:
+            print(f"error: junit: cannot write {config.junit}: {exc.strerror or exc}", file=sys.stderr)
+            code = 2
     return counts, code
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, after the runner printed how to continue it."""
+
+
+def resume_command(out_dir: Path) -> str:
+    """The command continuing the run in ``out_dir`` (the recorded run decides suite, implementation, options)."""
+    return f"dsv4-parity run --out {shlex.quote(str(out_dir))} --resume"
 
 
 def _set_threads(threads: Optional[int]) -> int:
@@ -273,14 +294,21 @@ def _run_provider(options: RunOptions) -> str:
         return options.provider
 
 
-def select(cases: Iterable[Case], ids: Sequence[str]) -> list[Case]:
-    """Cases whose id equals or starts with one of ``ids`` (every id must match exactly one case)."""
-    cases = list(cases)
+def select(cases: Iterable[Case], ids: Sequence[str], suites: Optional[dict] = None) -> list[Case]:
+    """Cases whose id equals or starts with one of ``ids`` (every id must match exactly one case). ``suites``
+    (case id -> suite names) says where each candidate comes from when the pool spans several suites; a case found
+    in several suites is one case."""
+    cases = list({c.id: c for c in cases}.values())
     chosen = []
     for wanted in ids:
         hits = [c for c in cases if c.id == wanted] or [c for c in cases if c.id.startswith(wanted)]
-        if len(hits) != 1:
-            raise CaseError("case_id", f"{'no case has' if not hits else f'{len(hits)} cases match'} id {wanted!r}")
+        if not hits:
+            raise CaseError("case_id", f"no case has id {wanted!r}")
+        if len(hits) > 1:
+            shown = ", ".join(c.id + (f" ({'/'.join(suites.get(c.id, ()))})" if suites else "") for c in hits[:6])
+            more = f", ... ({len(hits)} in all)" if len(hits) > 6 else ""
+            raise CaseError("case_id", f"{len(hits)} cases match id {wanted!r}: {shown}{more}; give more of the "
+                                       "id" + (" or --suite" if suites else ""))
         if hits[0] not in chosen:
             chosen.append(hits[0])
     return chosen

@@ -86,6 +86,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ReportError(str(path), f"not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except UnicodeDecodeError:
+        raise ReportError(str(path), "not valid JSON: binary or not UTF-8 text") from None
     if not isinstance(data, dict):
         raise ReportError(str(path), "must be a JSON object")
     return data
@@ -126,8 +128,15 @@ def load_baseline(name: str, *, current: RunData | None = None, root: Path = BAS
 
 
 def _baseline_dir(name: str, path: Path) -> Baseline:
-    return Baseline(name=name, path=path, table=read_csv(path / METRICS_NAME), env=_read_json(path / ENV_NAME),
-                    gate=_read_json(path / GATE_NAME))
+    table, env = read_csv(path / METRICS_NAME), _read_json(path / ENV_NAME)
+    recorded = env.get("counts")
+    if isinstance(recorded, dict) and all(isinstance(v, int) for v in recorded.values()):
+        held = table["case_id"].nunique()
+        if held != sum(recorded.values()):
+            raise ReportError(str(path / METRICS_NAME), f"holds {held} cases but {ENV_NAME} records "
+                                                        f"{sum(recorded.values())}: truncated or edited; refresh it "
+                                                        "with `dsv4-parity compare --update`")
+    return Baseline(name=name, path=path, table=table, env=env, gate=_read_json(path / GATE_NAME))
 
 
 def default_baseline(data: RunData, root: Path = BASELINES_ROOT) -> str | None:

@@ -21,7 +21,8 @@ The statistic (documented for users in ``reports/SCHEMA.md`` §Drift):
 4. **Gate.** A class is a *regression* when its statistic exceeds ``factor`` (default 2, per-class overrides in
    ``factors``) and an *improvement* when it is below ``1/factor``. ``compare`` also fails on *new failures*: a
    (case, tensor) whose verdict went pass -> fail, or a case whose outcome went pass -> fail/error. Pairs present on
-   one side only are counted, never gated (suites grow).
+   one side only are counted, never gated (suites grow). A gate that matched no pair at all fails: it compared
+   nothing (a baseline of another suite, or one without readable values of the metric).
 
 Absolute tolerances are not consulted: a class can regress while every tensor still passes — that is the point.
 """
@@ -141,7 +142,8 @@ class DriftResult:
 
     @property
     def passed(self) -> bool:
-        return not self.regressions and self.new_failures.empty
+        """No regression, no new failure, and at least one pair compared (a gate that compared nothing fails)."""
+        return not self.pairs.empty and not self.regressions and self.new_failures.empty
 
 
 def _floor(config: GateConfig, dtypes: pd.Series) -> np.ndarray:
@@ -163,7 +165,8 @@ def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateCo
     if metric not in cur.columns:
         cur = cur.assign(**{metric: np.nan})
     if metric not in base.columns:
-        base = base.assign(**{metric: np.nan})
+        raise ReportError("baseline", f"has no {metric!r} column: nothing to compare (a metrics table of another "
+                                      "schema, or cut columns); refresh it with `dsv4-parity compare --update`")
     merged = cur[KEY + ["tensor_class", "dtype", "verdict", "outcome", metric]].merge(
         base[KEY + ["dtype", "verdict", "outcome", metric]], on=KEY, how="outer", suffixes=("", "_base"),
         indicator=True)

@@ -28,7 +28,7 @@ from .load import RunData
 from .mutants import MutantReport
 from .schema import CSV_COLUMNS
 from .summary import case_summary, class_summary, outcome_by_class, plan_counts, topk_regimes
-from .terminal import INF_SENTINEL, fmt
+from .terminal import INF_SENTINEL, fmt, ratio_text
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 HTML_NAME = "index.html"
@@ -44,7 +44,7 @@ def _environment() -> jinja2.Environment:
                              autoescape=jinja2.select_autoescape(["html", "j2"]), trim_blocks=True,
                              lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     env.filters["num"] = lambda v, digits=3: fmt(_py(v), digits)
-    env.filters["ratio"] = lambda v: "-" if _missing(v) else f"{float(v):.2f}×"
+    env.filters["ratio"] = lambda v: "-" if _missing(v) else ratio_text(v, "×")
     env.filters["sortv"] = _sort_value
     return env
 

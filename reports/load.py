@@ -144,6 +144,8 @@ def read_rows(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], list[str]]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ReportError(str(path), f"cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ReportError(str(path), f"not a results stream: binary or not UTF-8 text (byte {exc.start})") from None
     numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
     try:  # fast path: one decode for the whole stream; per line only to locate a problem
         parsed = json.loads("[" + ",".join(line for _, line in numbered) + "]")
@@ -176,14 +178,14 @@ def peek_run(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
         tail = handle.read().splitlines()
     try:
         run = json.loads(first)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         run = None
     if not isinstance(run, dict) or run.get("type") != "run":
         raise ReportError(f"{path.name}:1", "the first row is not a 'run' row: not a dsv4-parity results stream")
     last = next((line for line in reversed(tail) if line.strip()), b"")
     try:
         end = json.loads(last)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         end = None
     return run, end if isinstance(end, dict) and end.get("type") == "end" else None
 
@@ -200,6 +202,8 @@ def load_run(path: str | Path) -> RunData:
     tensors: dict[tuple[str, str], dict[str, Any]] = {}
     metric_cols: dict[str, list[Any]] = {name: [] for name in METRIC_FRAME_COLUMNS}
     unknown_types: dict[str, int] = {}
+    declared: dict[str, int] = {}  # case_id -> n_rows of its case row
+    counted: dict[str, int] = {}  # case_id -> tensor + metric rows seen
     unknown_classes: set[str] = set()
 
     fname = path.name
@@ -213,6 +217,8 @@ def load_run(path: str | Path) -> RunData:
         for name in REQUIRED[kind]:
             if name not in row:
                 raise ReportError(f"{fname}:{lineno} field '{name}'", f"missing in a '{kind}' row")
+        if kind in ("metric", "tensor"):
+            counted[row["case_id"]] = counted.get(row["case_id"], 0) + 1
         if kind == "metric":  # the hot loop: ~10 rows per tensor
             value, threshold, passed = row["value"], row.get("threshold"), row.get("passed")
             if type(value) is not float:
@@ -244,6 +250,9 @@ def load_run(path: str | Path) -> RunData:
             if case_id in cases:
                 warnings.append(f"{where}: case {case_id} reported twice; the later row is used")
                 del cases[case_id]  # keep stream order of the last report
+            if isinstance(row.get("n_rows"), int):
+                declared[case_id] = row["n_rows"]
+                counted[case_id] = 0
             features = row.get("features")
             plan = row.get("plan")
             cases[case_id] = {
@@ -266,6 +275,10 @@ def load_run(path: str | Path) -> RunData:
         raise ReportError(path.name, "no 'run' row: not a dsv4-parity results stream")
     for kind, count in sorted(unknown_types.items()):
         warnings.append(f"{count} row(s) of unknown type {kind!r} ignored")
+    cut = [cid for cid, n in declared.items() if counted.get(cid, 0) != n]
+    if cut:
+        warnings.append(f"{len(cut)} case(s) cut off (fewer rows than their case row records: killed or a full "
+                        f"disk), e.g. {cut[0]}; `dsv4-parity run --out DIR --resume` re-runs them")
     if unknown_classes:
         warnings.append(f"unknown tensor class(es) {', '.join(sorted(unknown_classes))} (known: "
                         f"{', '.join(TENSOR_CLASSES)})")

@@ -114,6 +114,15 @@ def noise_floor_histograms(table: pd.DataFrame, metrics: pd.DataFrame) -> str | 
     return to_data_uri(fig)
 
 
+MAX_TICKS = 12
+
+
+def _ratio_tick(log2_ratio: float) -> str:
+    """An axis label for ``2**log2_ratio``: plain from 1/1024 to 8192, else scientific (``3e+14×``)."""
+    value = 2.0 ** log2_ratio
+    return f"{value:g}×" if -10 <= log2_ratio <= 13 else f"{value:.0e}×"
+
+
 def drift_plot(drift: DriftResult) -> str | None:
     pairs = drift.pairs
     classes = [c for c in drift.classes["tensor_class"] if (pairs["tensor_class"] == c).any()]
@@ -131,8 +140,9 @@ def drift_plot(drift: DriftResult) -> str | None:
     lo = min(-factor - 0.5, min(g.min() for g in groups if len(g)) - 0.25)
     hi = max(factor + 0.5, max(g.max() for g in groups if len(g)) + 0.25)
     ax.set_xlim(lo, hi)
-    ticks = np.arange(np.floor(lo), np.ceil(hi) + 1)
-    ax.set_xticks(ticks, [f"{2.0 ** t:g}×" for t in ticks])
+    step = max(1.0, np.ceil((np.ceil(hi) - np.floor(lo)) / MAX_TICKS))  # at most ~12 labels, however wide
+    ticks = np.arange(np.floor(lo), np.ceil(hi) + 1, step)
+    ax.set_xticks(ticks, [_ratio_tick(t) for t in ticks])
     ax.set_yticks(range(len(classes)), classes)
     ax.invert_yaxis()
     ax.set_xlabel(f"current / baseline {drift.config.metric} per matched pair (log scale); "

@@ -74,20 +74,41 @@ def write_csv(table: pd.DataFrame, path: Path) -> Path:
 
 
 def read_csv(path: Path) -> pd.DataFrame:
-    """Read a metrics table back (``results.csv`` or a baseline ``metrics.csv``); ids stay text."""
+    """Read a metrics table back (``results.csv`` or a baseline ``metrics.csv``); ids stay text.
+
+    Refused with a :class:`ReportError` saying why: an unreadable or binary file, a file cut off mid-line (no final
+    newline), a header without the key columns, and a metric cell that is not a number."""
+    try:
+        raw = Path(path).read_bytes()
+        raw.decode("utf-8")
+    except OSError as exc:
+        raise ReportError(str(path), f"cannot read the metrics CSV: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ReportError(str(path), "not a metrics CSV: binary or not UTF-8 text") from None
+    if raw and not raw.endswith(b"\n"):
+        raise ReportError(str(path), "truncated: the last line is cut off (no final newline)")
     try:
         header = pd.read_csv(path, nrows=0).columns
-    except (OSError, pd.errors.EmptyDataError) as exc:
+    except (ValueError, pd.errors.EmptyDataError) as exc:
         raise ReportError(str(path), f"cannot read the metrics CSV: {exc}") from None
     missing = [c for c in ("case_id", "tensor", "tensor_class", "dtype", "verdict") if c not in header]
     if missing:
         raise ReportError(str(path), f"not a metrics CSV: column {missing[0]!r} missing (schema: reports/SCHEMA.md)")
     text = {c: str for c in header if c in TEXT_COLUMNS}
-    table = pd.read_csv(path, dtype=text, keep_default_na=False, na_values={c: [""] for c in header
-                                                                          if c not in text})
+    try:
+        table = pd.read_csv(path, dtype=text, keep_default_na=False,
+                            na_values={c: [""] for c in header if c not in text})
+    except ValueError as exc:  # pandas' ParserError: rows with too many fields, ...
+        raise ReportError(str(path), f"not a well-formed metrics CSV: {str(exc).strip()}") from None
     for column in table.columns:
         if column not in text and column != "training":
-            table[column] = pd.to_numeric(table[column], errors="coerce")
+            numbers = pd.to_numeric(table[column], errors="coerce")
+            bad = numbers.isna() & table[column].notna()
+            if bad.any():
+                line = int(bad.to_numpy().nonzero()[0][0]) + 2  # 1-based, after the header
+                raise ReportError(f"{path}:{line} column {column!r}",
+                                  f"not a number: {table[column][bad].iloc[0]!r}")
+            table[column] = numbers
     return table
 
 

@@ -102,10 +102,12 @@ def render_terminal(data: RunData, table: pd.DataFrame, console: Console, *, dri
                             if isinstance(row.worst_metric, str) else "-", fmt(row.value), fmt(row.threshold),
                             _usage_text(row.worst_usage), row.message or "")
         console.print(listing)
-        console.print("[bold]Repro[/] (one line per offender):")
-        for i, row in enumerate(worst.itertuples(index=False), 1):
-            if row.repro:
-                console.print(f"  #{i} {row.repro}", highlight=False, soft_wrap=True, markup=False)
+        failing = [(i, row) for i, row in enumerate(worst.itertuples(index=False), 1)
+                   if row.repro and row.outcome in ("fail", "error")]
+        if failing:
+            console.print("[bold]Repro[/] (one line per failing offender):")
+        for i, row in failing:
+            console.print(f"  #{i} {row.repro}", highlight=False, soft_wrap=True, markup=False)
     for label, path in (outputs or {}).items():
         console.print(f"{label}: {path}", highlight=False)
 
@@ -145,11 +147,17 @@ def render_drift(drift: DriftResult, console: Console, *, baseline_name: str | N
         reasons.append(f"regressed: {', '.join(drift.regressions)}")
     if len(drift.new_failures):
         reasons.append(f"{len(drift.new_failures)} new failure(s)")
+    if drift.pairs.empty:
+        reasons.append("no (case, tensor) pair had the metric on both sides: nothing was compared")
     console.print(f"drift gate: {verdict} {'; '.join(reasons)}")
 
 
-def ratio_text(value: float) -> str:
-    """A drift ratio as ``1.23x``; ``-`` for missing."""
+def ratio_text(value: object, sign: str = "x") -> str:
+    """A drift ratio: ``1.37x``; scientific outside [1e-3, 1e4) (``2.35e+14x``, not fifteen digits); ``-`` if
+    missing."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value:.2f}x"
+    value = float(value)
+    if math.isinf(value):
+        return f"{'inf' if value > 0 else '-inf'}{sign}"
+    return f"{value:.2f}{sign}" if value == 0.0 or 1e-3 <= abs(value) < 1e4 else f"{value:.2e}{sign}"

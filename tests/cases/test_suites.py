@@ -6,8 +6,8 @@ import pytest
 
 from cases import CaseError
 from cases.coverage import features
-from cases.suites import (SUITES, build_suite, find_case, id_repro, load_suite, render_suite, suite_names,
-                          suite_path)
+from cases.suites import (SUITES, build_suite, find_case, gpu_subset, id_repro, load_suite, render_suite,
+                          suite_names, suite_path)
 
 
 @pytest.mark.parametrize("name", suite_names())
@@ -93,3 +93,17 @@ def test_load_suite_returns_a_fresh_list():
     a = load_suite("smoke")
     a.clear()
     assert load_suite("smoke")
+
+
+def test_gpu_subset_is_the_small_gate_cases_plus_the_smallest_ratio_128_ones():
+    gate = load_suite("gate")
+    subset = gpu_subset(256, 2)
+    ids = [c.id for c in subset]
+    assert len(ids) == len(set(ids)) == 58  # the H200 baseline subset (.ci/h200-gate.sh)
+    small = {c.id for c in gate if c.layout.num_tokens <= 256}
+    big = sorted((c for c in gate if c.config.compress_ratio == 128 and c.layout.num_tokens > 256),
+                 key=lambda c: c.layout.num_tokens)
+    assert set(ids) == small | {c.id for c in big[:2]}
+    assert big[2].id not in ids and {c.layout.kind for c in subset} == {"bshd", "thd"}
+    assert {c.config.compress_ratio for c in subset} == {0, 4, 128}
+    assert len(gpu_subset(256, 0)) == len(small)  # control: the ratio-128 extras are exactly r128 cases

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 import fused
+from cases.layout import PackedSeqParams
 from cases.tensors import materialize
 from fused import index_maps, indexer_loss, sparse_attention
+from fused.rows import RowSpace
+from fused.thd import ThdMeta
 
 from .helpers import run, thd_case
 
@@ -20,23 +23,24 @@ def test_cat_per_segment_routes_capacity_rows_to_tail_slots_no_valid_id_reaches(
     cu_full = index_maps.cu_seqlens_kv_full(cu_kv, cu_comp)
     kv = torch.arange(15, dtype=torch.float64).unsqueeze(-1)
     comp = 100 + torch.arange(6, dtype=torch.float64).unsqueeze(-1)  # capacity 6: rows 2..5 are padding
-    full = index_maps.cat_per_segment(kv, comp, cu_kv, cu_comp, cu_full)
+    rows = RowSpace.packed(ThdMeta.from_params(PackedSeqParams(cu_kv, cu_kv, 7), 15))
+    full = index_maps.cat_per_segment(kv, comp, cu_kv, cu_comp, cu_full, rows.segment)
     assert full.shape[0] == 15 + 6
     n_valid = int(cu_full[-1])
     assert full[:n_valid, 0].tolist() == [0, 1, 2, 3, 4, 5, 100, 6, 7, 8, 9, 10, 11, 12, 101]
     tail = full[n_valid:, 0]
     assert tail[-4:].tolist() == [102, 103, 104, 105]          # invalid compressed row j -> slot total_kv + j
     assert torch.isnan(tail[:-4]).all()                          # slots nothing writes: NaN poison
-    window = index_maps.window_idxs_thd(4, cu_kv, 15)
-    comp_ids = index_maps.compress_idxs_thd(4, cu_kv, cu_kv, cu_comp, 15, 3)
-    ids = index_maps.local_to_global_flat(torch.cat([window, comp_ids], -1), -1, cu_kv, cu_full)
+    window = rows.window_ids(4)
+    comp_ids = rows.compressed_ids(4, cu_comp, 3)
+    ids = rows.to_global(torch.cat([window, comp_ids], -1), cu_full)
     assert int(ids.max()) < n_valid  # no valid id reaches a tail slot
     assert (ids[13:] == -1).all()     # slack rows have no key at all
 
 
 def test_sbhd_flat_ids_are_local_times_batch_plus_b():
     local = torch.tensor([[[0, 2], [1, -1]], [[3, 0], [-1, 1]]], dtype=I32)  # (B=2, S=2, K=2)
-    flat = index_maps.local_to_global_flat(local, 2)
+    flat = RowSpace.sbhd(2, 2, "cpu").to_global(local)
     assert flat.tolist() == [[0, 4], [7, 1], [2, -1], [-1, 3]]  # rows s*B + b
 
 

@@ -240,5 +240,5 @@ def test_plain_fused_is_an_engine_implementation_with_providers():
     assert result.outcome == "pass", result.message
     assert result.plan and set(result.plan.values()) == {"torch"}
     with pytest.raises(fused.BackendUnavailable, match="flashmla"):  # the engine's --provider cudnn hook
-        with fused.use_provider("cudnn"):
+        with fused.use_backend("cudnn"):
             pass

@@ -1,8 +1,10 @@
 """The committed H200 baseline (``reports/baselines/h200/``) has the documented shape — its schema, never its numbers.
 
 ``gate/`` is a parity run's baseline (``metrics.csv`` + ``env.json``, read by ``reports.baselines``); ``kernels/``
-holds the kernel-level parity table, the per-stage timings, the environment and the CUDA-graph replay report of
-``python -m fused.gpu_checks`` / ``python -m fused.graph_replay``.
+holds the kernel-level parity table, the per-stage timings and the environment of ``python -m parity.kernel_checks``
+(formerly ``fused.gpu_checks``), and the CUDA-graph replay report of the former ``fused.graph_replay`` (now the
+``graph-replay`` oracle, whose results are ordinary oracle rows; the committed report stays as the measured basis of
+policy ``kernels.graph_replay``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import torch
 
 import fused
 from fused import plan as plan_mod
-from fused import providers
 from fused.kernels import cudnn_provider, device_support, flashmla_provider
 from fused.kernels.cudnn_provider import SM90_DENSE_REFUSAL, CudnnKernels
 from fused.kernels.flashmla_provider import FlashMLAKernels, padded_heads
@@ -68,7 +67,7 @@ def test_gpu_providers_unavailable_on_cpu_with_reason():
     assert reasons["torch"] is None
     for name in ("cudnn", "flashmla"):
         assert reasons[name] and "CUDA" in reasons[name]
-    assert providers.available_providers() == ["torch"]
+    assert [name for name, why in reasons.items() if why is None] == ["torch"]
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the CPU-only behaviour")
@@ -77,10 +76,8 @@ def test_required_gpu_provider_fails_the_run_instead_of_falling_back():
         with fused.use_backend("auto", require=("cudnn",)):
             pass
     with pytest.raises(fused.BackendUnavailable):  # the parity hook: "cudnn" = cudnn + flashmla required
-        with providers.use_provider("cudnn"):
+        with fused.use_backend("cudnn"):
             pass
-    with pytest.raises(NotImplementedError, match="unavailable"):
-        providers.plan(None, "cudnn")
     with fused.use_backend("auto", require=("torch",)):  # control: an available requirement is fine
         pass
 
@@ -88,9 +85,9 @@ def test_required_gpu_provider_fails_the_run_instead_of_falling_back():
 @pytest.mark.skipif(not NO_CUDA, reason="checks the CPU-only behaviour")
 def test_auto_falls_back_per_stage_and_records_it():
     ids = torch.tensor([[3, -1, 1], [-1, -1, 2]], dtype=torch.int32)
-    with providers.use_provider("auto") as p:
+    with fused.use_backend("auto") as p:
         res = plan_mod.kernels.compactify(ids)
-    assert p.record == {"compactify": "torch"} and providers.executed() == {"compactify": "torch"}
+    assert p.record == {"compactify": "torch"} and fused.executed() == {"compactify": "torch"}
     assert res["indices"].tolist() == [[3, 1, -1], [2, -1, -1]]
 
 

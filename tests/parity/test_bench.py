@@ -328,3 +328,33 @@ def _cpu_settings():
 
     return bench.resolve_settings(build_parser().parse_args(["bench", "--profile", "tiny", "--tokens", "64",
                                                              "--device", "cpu"]))
+
+
+def test_time_call_starts_no_repeat_that_would_end_past_the_deadline(monkeypatch):
+    """The bench's budget: a repeat whose predicted end (now + the last repeat's time) is past the deadline is not
+    started (it used to start whenever the deadline had not yet passed, and ran on past it)."""
+    clock = [0.0]
+    monkeypatch.setattr(bench_measure.time, "monotonic", lambda: clock[0])
+
+    class Watch:  # each call of fn takes 1 s of the fake clock
+        def __init__(self, device):
+            pass
+
+        def start(self):
+            self.t0 = clock[0]
+
+        def stop(self):
+            self.t1 = clock[0]
+
+        def seconds(self):
+            return self.t1 - self.t0
+
+    monkeypatch.setattr(bench_measure, "Stopwatch", Watch)
+
+    def fn():
+        clock[0] += 1.0
+
+    timing = bench_measure.time_call(fn, "cpu", warmup=0, repeats=10, target_s=100.0, deadline=2.5)
+    assert len(timing.seconds) == 2 and clock[0] <= 2.5  # a third repeat would have ended at 3.0
+    clock[0] = 0.0
+    assert len(bench_measure.time_call(fn, "cpu", warmup=0, repeats=10, target_s=100.0, deadline=None).seconds) == 10

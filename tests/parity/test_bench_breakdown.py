@@ -188,3 +188,24 @@ def test_sync_sites_counts_sync_warnings_by_line_of_ours():
     assert out["count"] == 3
     assert out["sites"] == [{"site": "fused/thd.py:12", "count": 2}, {"site": "cudnn/api.py:7", "count": 1}]
     assert sync_sites([records[-1]]) == {"count": 0, "sites": []}  # negative control: not a sync warning
+
+
+def test_the_profilers_native_chatter_is_dropped_and_everything_else_kept(capfd):
+    import os
+
+    from bench.breakdown import profiler_chatter_dropped, profile_step
+
+    with profiler_chatter_dropped():
+        os.write(2, b"USDT:2026-12-03 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning the user must see\n")
+        os.write(2, b"STAGE:2026-12-03 Completed Stage: Warm Up\n")
+    err = capfd.readouterr().err
+    assert err == "a warning the user must see\n"
+    profile_step(lambda: None, "cpu")  # the real profiler: none of its start / stop lines reach the log
+    assert "USDT:" not in capfd.readouterr().err
+
+
+def test_progress_lines_never_say_none_ms():
+    from bench.output import ms_part
+
+    assert ms_part("idle", None) == "" and ms_part("wall", 12.3456) == "wall 12.3 ms" and ms_part("", 5.0) == "5 ms"

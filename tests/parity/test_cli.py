@@ -82,12 +82,13 @@ def test_resume_runs_only_the_unfinished_cases(tmp_path, capsys):
     a = pick(dtype="float32", layout="bshd", ratio="0")
     b = pick(dtype="float64", layout="bshd", ratio="0")
     out = tmp_path / "r"
-    assert main(["run", "--suite", "smoke", *ids(a), "--impl", "reference", "--out", str(out), "--quiet"]) == 0
-    with open(out / "results.jsonl", "a") as fh:  # as if killed while writing the next case
-        fh.write('{"type":"case","case_id":"')
+    assert main(["run", "--suite", "smoke", *ids(a, b), "--impl", "reference", "--out", str(out), "--quiet"]) == 0
+    lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
+    b_at = next(i for i, line in enumerate(lines) if f'"case_id":"{b.id}"' in line and '"type":"case"' in line)
+    # as if killed while writing case b: its case row torn half-way
+    (out / "results.jsonl").write_text("".join(lines[:b_at]) + lines[b_at][:40])
     capsys.readouterr()
-    assert main(["run", "--suite", "smoke", *ids(a, b), "--impl", "reference", "--out", str(out), "--resume",
-                 "--quiet"]) == 0
+    assert main(["run", "--out", str(out), "--resume", "--quiet"]) == 0  # as the hints print it
     got = rows(out)
     assert [r["case_id"] for r in got if r["type"] == "case"] == [a.id, b.id]
     assert [r["type"] for r in got].count("run") == 1 and got[-1]["type"] == "end"
@@ -173,7 +174,7 @@ def test_a_spent_budget_starts_no_case_lists_the_rest_and_fails(tmp_path, capsys
     b = pick(dtype="float64", layout="bshd", ratio="0")
     out = tmp_path / "r"
     code = main(["run", "--suite", "smoke", *ids(a, b), "--impl", "reference", "--out", str(out), "--quiet",
-                 "--isolate", isolate, "--budget-s", "0"])
+                 "--isolate", isolate, "--budget-s", "1e-9"])
     assert code == 1  # a time-boxed run never passes as a whole one
     got = rows(out)
     assert [r for r in got if r["type"] == "case"] == []

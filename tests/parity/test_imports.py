@@ -12,6 +12,8 @@ FIRST_PARTY = ("cases", "reference", "fused", "adapters", "parity", "reports", "
 LAZY = {
     ("worker", "parity.engine"): "the child imports torch only after redirecting fd 1 (torch may print)",
     ("worker", "parity.execution"): "the same",
+    ("kernel_checks", "fused.kernels.flashmla_provider"): "GPU providers load only when asked for",
+    ("kernel_checks", "fused.kernels.cudnn_provider"): "the same",
 }
 
 

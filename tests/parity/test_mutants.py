@@ -16,7 +16,7 @@ from cases.coverage import parse_cell
 from parity import mutants
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-INDEXER = importlib.import_module("fused.indexer")  # the module (fused.indexer is the public function)
+ROWS = importlib.import_module("fused.rows")  # imports causal_visible by name
 
 
 def test_every_mutant_has_cells_and_patches_real_functions():
@@ -41,13 +41,13 @@ def test_a_patch_naming_a_missing_function_is_refused():
 
 def test_planting_reaches_every_importer_and_is_undone():
     original = fused.index_maps.causal_visible
-    assert INDEXER.causal_visible is original  # imported by name: the patch must reach this copy too
+    assert ROWS.causal_visible is original  # imported by name: the patch must reach this copy too
     pos = torch.arange(8)
     with mutants.activate("compressed_causal_off_by_one") as active:
         assert active == {"compressed_causal_off_by_one"}
-        assert INDEXER.causal_visible is fused.index_maps.causal_visible is not original
-        assert torch.equal(INDEXER.causal_visible(pos, 4), original(pos, 4) + 1)
-    assert INDEXER.causal_visible is original and fused.index_maps.causal_visible is original
+        assert ROWS.causal_visible is fused.index_maps.causal_visible is not original
+        assert torch.equal(ROWS.causal_visible(pos, 4), original(pos, 4) + 1)
+    assert ROWS.causal_visible is original and fused.index_maps.causal_visible is original
     assert mutants.active() == frozenset()
 
 

@@ -93,4 +93,4 @@ def test_engine_entry_point_renders_with_the_default_baseline(tmp_path, capsys):
 def test_a_baseline_sharing_no_pair_is_an_input_error(runs, capsys, tmp_path):
     other = write_rows(rows_of(n_cases=5, seed=99), tmp_path / "other")
     code, _, err = run(["compare", str(runs["base"]), "--baseline", str(other)], capsys)
-    assert code == 2 and "shares no (case, tensor) pair" in err
+    assert code == 2 and "have no (case, tensor) pair" in err

@@ -2,11 +2,11 @@
 
 For each production kernel call at a kernel-profile size (and a few small calls that exercise the head / index
 padding), the ``cudnn`` or ``flashmla`` provider and the ``torch`` provider run on **identical inputs**; every
-output tensor is compared with a stage-specific rule taken from cudnn-frontend's own tests (spec ``kernels.md``
-§5). The same call is then captured in a CUDA graph and replayed (is the wrapper capture-safe?) and timed warm
-(median of CUDA-event timings) for both providers.
+output tensor is compared with the rule :mod:`parity.kernel_rules` names for it (bounds in ``parity/policy.json``
+``kernels``, from cudnn-frontend's own tests, spec ``kernels.md`` §5). The same call is then captured in a CUDA graph
+and replayed (is the wrapper capture-safe?) and timed warm (median of CUDA-event timings) for both providers.
 
-    python -m fused.gpu_checks --out DIR [--only STAGE ...] [--no-timing]
+    python -m parity.kernel_checks --out DIR [--only STAGE ...] [--no-timing] [--no-capture]
 
 Writes ``DIR/kernel_parity.csv`` (one row per call and tensor), ``DIR/kernel_timings.csv`` (one row per call) and
 ``DIR/kernel_env.json``; prints one line per call. Every call runs in its own ``try``: an exception is recorded as
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import platform
 import subprocess
 import time
@@ -29,69 +28,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .kernels.torch_provider import TorchKernels
+from fused.kernels.torch_provider import TorchKernels
+
+from . import metrics
+from . import policy as policy_mod
+from .graph_replay import capture_graph
+from .kernel_rules import METRIC_KEYS, KernelRule, kernel_metrics, rule_for
 
 Tensor = torch.Tensor
 BF16 = torch.bfloat16
 ATTN_D, IDX_D = 512, 128
 SCALE = ATTN_D ** -0.5
-
-
-# ================================================================ metrics ==============================================
-def metrics(a: Tensor, b: Tensor, mask: Optional[Tensor] = None) -> dict[str, float]:
-    """Error of ``a`` against ``b`` (float64), over ``mask`` if given: max_abs, max_rel (|b| >= 1e-3 max|b|),
-    rel_l2, cosine, and the worst ``|a-b| / (1 + |b|)`` (``mixed``)."""
-    a, b = a.detach().double(), b.detach().double()
-    if mask is not None:
-        a, b = a[mask], b[mask]
-    n = a.numel()
-    if n == 0:
-        return dict(n=0, max_abs=0.0, max_rel=0.0, rel_l2=0.0, cosine=1.0, mixed=0.0, nan=0)
-    diff = (a - b).abs()
-    scale = float(b.abs().max())
-    keep = b.abs() >= 1e-3 * scale if scale > 0 else torch.ones_like(b, dtype=torch.bool)
-    bn, an = float(b.norm()), float(a.norm())
-    return dict(n=n, max_abs=float(diff.max()), max_rel=float((diff[keep] / b.abs()[keep]).max()) if scale > 0 else 0.0,
-                rel_l2=float((a - b).norm()) / bn if bn > 0 else (0.0 if an == 0 else math.inf),
-                cosine=float((a * b).sum()) / (an * bn) if an > 0 and bn > 0 else float(an == bn),
-                mixed=float((diff / (1 + b.abs())).max()), nan=int(torch.isnan(a).sum()))
-
-
-@dataclass
-class Rule:
-    """Pass rule of one tensor: every given bound must hold."""
-
-    mixed: Optional[float] = None      # max |a-b| / (1 + |b|)
-    rel_l2: Optional[float] = None
-    cosine: Optional[float] = None
-    exact: bool = False
-
-    def check(self, m: dict) -> tuple[bool, str]:
-        if m.get("nan"):
-            return False, f"{m['nan']} NaN"
-        bounds = []
-        if self.exact:
-            bounds.append(("max_abs", m["max_abs"], 0.0, m["max_abs"] == 0))
-        if self.mixed is not None:
-            bounds.append(("mixed", m["mixed"], self.mixed, m["mixed"] <= self.mixed))
-        if self.rel_l2 is not None:
-            bounds.append(("rel_l2", m["rel_l2"], self.rel_l2, m["rel_l2"] <= self.rel_l2))
-        if self.cosine is not None:
-            bounds.append(("cosine", m["cosine"], self.cosine, m["cosine"] >= self.cosine))
-        failed = [f"{k} {v:.3g} vs {t:g}" for k, v, t, ok in bounds if not ok]
-        held = "; ".join(f"{k} {v:.3g} {'>=' if k == 'cosine' else '<='} {t:g}" for k, v, t, _ in bounds)
-        return not failed, "; ".join(failed) or held
-
-
-# rules from cudnn-frontend's DSA tests (kernels.md §5), applied to kernel vs torch provider on the same inputs
-SCORES = Rule(mixed=1e-4)                       # indexer forward: finite entries atol = rtol = 1e-4
-PROBS = Rule(mixed=1e-3)                        # sparse score recompute: 1e-3
-DENSE = Rule(mixed=5e-3)                        # dense score recompute: 5e-3 where finite
-ATTN_OUT = Rule(mixed=3e-2, rel_l2=1e-2)        # FlashMLA bridge: out 3e-2
-ATTN_LSE = Rule(mixed=2e-4)                     # FlashMLA bridge: lse 2e-4
-ATTN_GRAD = Rule(mixed=5e-2, rel_l2=2e-2)       # sparse backward: 5e-2 (dkv accumulation)
-INDEXER_GRAD = Rule(cosine=0.99, rel_l2=5e-2)   # indexer backward: aggregate (cosine / RMS) rule, tightened
-EXACT = Rule(exact=True)
 
 
 # ================================================================ inputs ===============================================
@@ -163,7 +110,8 @@ def causal_topk(gen: Inputs, rows: int, width: int, visible: Tensor) -> Tensor:
 @dataclass
 class Call:
     """One kernel call: ``make()`` -> ``(args, kwargs)``; ``compare(kernel_result, torch_result, args)`` -> list of
-    ``(tensor name, kernel tensor, torch tensor, mask or None, Rule)``."""
+    ``(tensor name, kernel tensor, torch tensor, mask or None)``; the rule of each is
+    :func:`parity.kernel_rules.rule_for` ``(stage, tensor name)``."""
 
     stage: str
     label: str
@@ -187,7 +135,7 @@ def _finite_both(a: Tensor, b: Tensor) -> Tensor:
 def _inf_pattern(a: Tensor, b: Tensor) -> tuple:
     """A pseudo-tensor comparison: number of positions whose finiteness differs (must be 0)."""
     mismatch = (torch.isfinite(a) != torch.isfinite(b)).sum().float().view(1)
-    return ("inf_pattern", mismatch, torch.zeros_like(mismatch), None, EXACT)
+    return ("inf_pattern", mismatch, torch.zeros_like(mismatch), None)
 
 
 def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
@@ -207,7 +155,7 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
 
     def cmp_scores(k, t, _args):
         return [_inf_pattern(k["scores"], t["scores"]),
-                ("scores", k["scores"], t["scores"], _finite_both(k["scores"], t["scores"]), SCORES)]
+                ("scores", k["scores"], t["scores"], _finite_both(k["scores"], t["scores"]))]
 
     calls.append(Call("indexer_forward", "bshd S4096 Sk1024 H64", "cudnn", lambda: ((qi, ki, wi), dict(ratio=4)),
                       cmp_scores))
@@ -236,8 +184,8 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
             kv_, tv_ = kv_.sort(-1, descending=True).values, tv_.sort(-1, descending=True).values
             same_sets = (ki_.sort(-1).values == ti_.sort(-1).values).all(-1)
             tie_rows = (~same_sets).sum().float().view(1)
-            return [("selected_values", kv_, tv_, _finite_both(kv_, tv_), EXACT), _inf_pattern(kv_, tv_),
-                    ("rows_with_other_ids(ties)", tie_rows, torch.zeros_like(tie_rows), None, Rule())]
+            return [("selected_values", kv_, tv_, _finite_both(kv_, tv_)), _inf_pattern(kv_, tv_),
+                    ("rows_with_other_ids(ties)", tie_rows, torch.zeros_like(tie_rows), None)]
         return compare
 
     calls.append(Call("indexer_top_k", "bshd rows4096 cols1024 K512", "cudnn",
@@ -249,8 +197,8 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
     raw = g.distinct_ids(n(4096), 640, 5120).masked_fill(g.rand(n(4096), 640) < 0.3, -1)
 
     def cmp_compact(k, t, _args):
-        return [("indices", k["indices"], t["indices"], None, EXACT),
-                ("topk_length", k["topk_length"], t["topk_length"], None, EXACT)]
+        return [("indices", k["indices"], t["indices"], None),
+                ("topk_length", k["topk_length"], t["topk_length"], None)]
 
     calls.append(Call("compactify", "4096x640 30% invalid", "cudnn", lambda: ((raw,), {}), cmp_compact))
 
@@ -268,20 +216,20 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
     def cmp_fwd(k, t, _args):
         out_k, _, lse_k = k
         out_t, _, lse_t = t
-        return [("out", out_k, out_t, None, ATTN_OUT), _inf_pattern(lse_k, lse_t),
-                ("lse", lse_k, lse_t, _finite_both(lse_k, lse_t), ATTN_LSE)]
+        return [("out", out_k, out_t, None), _inf_pattern(lse_k, lse_t),
+                ("lse", lse_k, lse_t, _finite_both(lse_k, lse_t))]
 
     def cmp_bwd(k, t, _args):
-        return [("dq", k["dq"], t["dq"], None, ATTN_GRAD), ("dkv", k["dkv"], t["dkv"], None, ATTN_GRAD),
-                ("d_sink", k["d_sink"], t["d_sink"], None, ATTN_GRAD)]
+        return [("dq", k["dq"], t["dq"], None), ("dkv", k["dkv"], t["dkv"], None),
+                ("d_sink", k["d_sink"], t["d_sink"], None)]
 
     def cmp_bwd_masked(masked: Tensor):
         def cmp(k, t, _args):
             dq_rows = k["dq"][masked].float()
             return cmp_bwd(k, t, _args) + [
-                ("dq_padding_rows_zero", dq_rows, torch.zeros_like(dq_rows), None, EXACT),
+                ("dq_padding_rows_zero", dq_rows, torch.zeros_like(dq_rows), None),
                 ("finite", torch.isfinite(k["dkv"].float()).all().float().view(1),
-                 torch.ones(1, device=dev), None, EXACT)]
+                 torch.ones(1, device=dev), None)]
         return cmp
 
     for rows, heads, width, n_kv, note in ((n(4096), 64, 640, 5120, ""), (n(2048), 128, 640, 2560, ""),
@@ -321,10 +269,10 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
     del keys, logits
 
     def cmp_target(k, t, _args):
-        return [("target", k["target"], t["target"], None, PROBS)]
+        return [("target", k["target"], t["target"], None)]
 
     def cmp_predict(k, t, _args):
-        return [("predict", k["predict"], t["predict"], None, PROBS)]
+        return [("predict", k["predict"], t["predict"], None)]
 
     calls.append(Call("sparse_attn_score_recompute", "B1 S4096 H64 D512 K512", "cudnn",
                       lambda: ((qa, ka, teacher, top, SCALE), dict(qhead_per_kv_head=64)), cmp_target))
@@ -343,9 +291,9 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
     unit = torch.ones((), dtype=torch.float32, device=dev)
 
     def cmp_ibwd(k, t, args):
-        return [("d_index_q", k["d_index_q"], t["d_index_q"], None, INDEXER_GRAD),
-                ("d_weights", k["d_weights"], t["d_weights"], None, INDEXER_GRAD),
-                ("d_index_k", k["d_index_k"], t["d_index_k"], None, INDEXER_GRAD)]
+        return [("d_index_q", k["d_index_q"], t["d_index_q"], None),
+                ("d_weights", k["d_weights"], t["d_weights"], None),
+                ("d_index_k", k["d_index_k"], t["d_index_k"], None)]
 
     calls.append(Call("indexer_backward", "B1 S4096 H64 K512", "cudnn",
                       lambda: ((qi, wi, ki3, target, predict, top, unit),
@@ -367,7 +315,7 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
         rows = torch.isfinite(t["denom"])
         if args[0].dim() == 3:  # THD: the SM90 wrapper skips segments without compressed keys (rows unwritten)
             rows = rows & rows_with_keys(layd)
-        return [("out", k["out"], t["out"], valid, DENSE), ("denom", k["denom"], t["denom"], rows, DENSE)]
+        return [("out", k["out"], t["out"], valid), ("denom", k["denom"], t["denom"], rows)]
 
     SD, SKD = n(2048), n(512)
     qd, kd = g.randn(1, SD, 64, ATTN_D), g.randn(1, SKD, 1, ATTN_D)
@@ -415,9 +363,9 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
             m_q, m_w = inside.view(-1, 1, 1).expand_as(k["d_index_q"]), inside.view(-1, 1).expand_as(k["d_weights"])
         else:
             m_q = m_w = None
-        return [("d_index_q", k["d_index_q"], t["d_index_q"], m_q, INDEXER_GRAD),
-                ("d_weights", k["d_weights"], t["d_weights"], m_w, INDEXER_GRAD),
-                ("d_index_k", k["d_index_k"], t["d_index_k"], None, INDEXER_GRAD)]
+        return [("d_index_q", k["d_index_q"], t["d_index_q"], m_q),
+                ("d_weights", k["d_weights"], t["d_weights"], m_w),
+                ("d_index_k", k["d_index_k"], t["d_index_k"], None)]
 
     a_b = dense_bwd_args(att, idx, qid, wid, kid[:, :, 0].contiguous(), {})
     calls.append(Call("dense_indexer_backward", "bshd S2048 Sk512 H64 r4", "cudnn", lambda: a_b, cmp_dbwd,
@@ -430,10 +378,11 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
 
 # ================================================================ running =============================================
 def _provider(name: str, kwargs: dict):
+    # the GPU providers load only when asked for (as fused.plan registers them: by dotted path)
     if name == "flashmla":
-        from .kernels.flashmla_provider import FlashMLAKernels
+        from fused.kernels.flashmla_provider import FlashMLAKernels
         return FlashMLAKernels()
-    from .kernels.cudnn_provider import CudnnKernels
+    from fused.kernels.cudnn_provider import CudnnKernels
     return CudnnKernels(**kwargs)
 
 
@@ -456,21 +405,16 @@ def _flatten(res) -> list[Tensor]:
     return [v for v in values if torch.is_tensor(v)]
 
 
-def capture_check(call: Call, provider, eager) -> str:
+def capture_check(call: Call, provider, eager, policy: Optional[policy_mod.Policy] = None) -> str:
     """Capture the call in a CUDA graph (after an eager warm-up on a side stream) and replay it: ``ok`` when the
-    replay reproduces the eager result (bit-exact, or within fp32 atomics reordering), else why not."""
+    replay reproduces the eager result (bit-exact, or within fp32 atomics reordering: rel_l2 <= policy
+    ``kernels.capture.rel_l2``), else why not."""
+    limit = float((policy or policy_mod.default()).kernel_entry("capture")["rel_l2"])
     args, kwargs = _clone(*call.make(), call.inplace)
     fn = getattr(provider, call.stage)
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(*_clone(args, kwargs, call.inplace)[0], **kwargs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         static_args = _clone(args, kwargs, call.inplace)[0]
-        with torch.cuda.graph(graph):
-            out = fn(*static_args, **kwargs)
+        graph, out = capture_graph(lambda: fn(*static_args, **kwargs))
         for i in call.inplace:  # restore the overwritten inputs before the replay
             static_args[i].copy_(args[i])
         graph.replay()
@@ -485,17 +429,39 @@ def capture_check(call: Call, provider, eager) -> str:
     for a, b in zip(_flatten(out), _flatten(eager)):
         if call.stage == "indexer_top_k":  # slot order is unspecified: compare each row's selected set
             a, b = a.sort(-1).values, b.sort(-1).values
-        if torch.equal(torch.nan_to_num(a.float()), torch.nan_to_num(b.float())):
-            continue
-        worst = max(worst, metrics(torch.nan_to_num(a.float()), torch.nan_to_num(b.float()))["rel_l2"])
+        a, b = torch.nan_to_num(a.float()), torch.nan_to_num(b.float())
+        if not torch.equal(a, b):
+            worst = max(worst, metrics.rel_l2(metrics.upcast(a), metrics.upcast(b)))
     if worst == 0.0:
         return "ok (bit-exact)"
-    return f"ok (rel_l2 {worst:.2g}, atomics order)" if worst < 1e-3 else f"replay differs from eager (rel_l2 {worst:.3g})"
+    return f"ok (rel_l2 {worst:.2g}, atomics order)" if worst <= limit else \
+        f"replay differs from eager (rel_l2 {worst:.3g} > {limit:g})"
 
 
-def run_calls(calls: list[Call], timing: bool, capture: bool, log=print) -> tuple[list[dict], list[dict]]:
+def judge_tensor(base: dict, stage: str, name: str, a: Tensor, b: Tensor, mask: Optional[Tensor],
+                 policy: Optional[policy_mod.Policy] = None) -> dict:
+    """One kernel_parity.csv row: ``base`` + tensor, outcome, message and the metrics of ``a`` vs ``b``."""
+    m = kernel_metrics(a, b, mask)
+    ok, detail = KernelRule.from_policy(rule_for(stage, name), policy).check(m) if m["n"] else (True, "empty")
+    return dict(base, tensor=name, outcome="pass" if ok else "fail", message=detail, **{k: m[k] for k in METRIC_KEYS})
+
+
+def compare_call(call: Call, base: dict, kernel: tuple, torch_run: tuple,
+                 policy: Optional[policy_mod.Policy] = None) -> list[dict]:
+    """The kernel_parity.csv rows of one call: ``kernel`` and ``torch_run`` are ``(result, positional args)`` of the
+    two providers (the args after the call: in-place outputs included)."""
+    (res_k, ka), (res_t, ta) = kernel, torch_run
+    rows = [judge_tensor(base, call.stage, name, a, b, mask, policy)
+            for name, a, b, mask in call.compare(res_k, res_t, ka)]
+    return rows + [judge_tensor(base, call.stage, f"inplace_arg{i}", ka[i], ta[i], _finite_both(ka[i], ta[i]), policy)
+                   for i in (call.inplace if call.compare_inplace is None else call.compare_inplace)]
+
+
+def run_calls(calls: list[Call], timing: bool, capture: bool, log=print,
+              policy: Optional[policy_mod.Policy] = None) -> tuple[list[dict], list[dict]]:
     """Pass 1: parity (and timing) of every call. Pass 2: CUDA-graph capture of every call that ran, host-syncing
     wrappers last (a failed capture can leave the context unusable for what follows)."""
+    policy = policy or policy_mod.default()
     tk = TorchKernels()
     parity_rows, timing_rows, done = [], [], []
     for call in calls:
@@ -515,17 +481,7 @@ def run_calls(calls: list[Call], timing: bool, capture: bool, log=print) -> tupl
             first_s = time.perf_counter() - t0
             ta, tk_kw = _clone(args, kwargs, call.inplace)
             res_t = getattr(tk, call.stage)(*ta, **tk_kw)
-            rows = []
-            for name, a, b, mask, rule in call.compare(res_k, res_t, ka):
-                m = metrics(a, b, mask)
-                ok, detail = rule.check(m)
-                rows.append(dict(base, tensor=name, outcome="pass" if ok else "fail", message=detail,
-                                 **{k: m[k] for k in METRIC_KEYS}))
-            for i in (call.inplace if call.compare_inplace is None else call.compare_inplace):
-                m = metrics(ka[i], ta[i], _finite_both(ka[i], ta[i]))  # the in-place score gradient
-                ok, detail = INDEXER_GRAD.check(m) if m["n"] else (True, "empty")
-                rows.append(dict(base, tensor=f"inplace_arg{i}", outcome="pass" if ok else "fail", message=detail,
-                                 **{k: m[k] for k in METRIC_KEYS}))
+            rows = compare_call(call, base, (res_k, ka), (res_t, ta), policy)
             parity_rows += rows
             row = dict(base, first_call_s=round(first_s, 3))
             if timing:
@@ -547,12 +503,9 @@ def run_calls(calls: list[Call], timing: bool, capture: bool, log=print) -> tupl
     if capture:
         last = lambda d: "thd" in d[0].label and "score_recompute" in d[0].stage  # noqa: E731 - host-syncing
         for call, prov, res_k, row in sorted(done, key=last):
-            row["capture"] = capture_check(call, prov, res_k)
+            row["capture"] = capture_check(call, prov, res_k, policy)
             log(f"CAPTURE     {call.stage:32s} {call.label}: {row['capture']}")
     return parity_rows, timing_rows
-
-
-METRIC_KEYS = ("n", "max_abs", "max_rel", "rel_l2", "cosine", "mixed", "nan")
 
 
 def environment() -> dict[str, Any]:
@@ -590,7 +543,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fused.gpu_checks", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m parity.kernel_checks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--only", nargs="*", help="stages to run (default: all)")
     parser.add_argument("--no-timing", action="store_true")

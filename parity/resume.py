@@ -1,0 +1,137 @@
+"""``--resume`` continues exactly the run recorded in ``<out>/results.jsonl``.
+
+The ``run`` row records what a run is: its case selection (``selection``: the suite label, and for an ad-hoc
+selection the case objects themselves; ``planned``: the ids of every selected case, in order), ``options`` (impl,
+against, provider, device, require, policy) and, for a metamorphic run, ``against: "oracle:NAME"``. A resume takes
+all of these from the row, so ``dsv4-parity run --out DIR --resume`` works as printed. An option given on the resume
+command line that differs from the recorded one is a usage error (a resume that quietly ran other cases, or another
+implementation, would label one run's results with another's name); options that do not change results
+(``--workers``, ``--threads``, ``--isolate``, ``--timeout``, ``--budget-s``, ``--junit``, ``--quiet``) may differ.
+
+:func:`given_options` tells which options a command line set explicitly (argparse fills in defaults otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from cases.case import Case
+from cases.errors import CaseError
+from cases.suites import load_suite
+
+#: command-line dest -> key of the run row's ``options``
+RECORDED_OPTIONS = {"impl": "impl", "against": "against", "provider": "provider", "device": "device",
+                    "require": "require", "policy": "policy_path"}
+SELECTION_OPTIONS = ("suite", "case", "case_id", "limit")
+
+
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The ``dest`` of every option ``argv`` sets explicitly (parsed once more with every default suppressed)."""
+    saved = []
+
+    def suppress(p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    suppress(sub)
+            elif action.dest != "help":
+                saved.append((action, action.default))
+                action.default = argparse.SUPPRESS
+        saved.append((p, dict(p._defaults)))
+        p._defaults.clear()
+
+    suppress(parser)
+    try:
+        namespace = parser.parse_args(list(argv))
+    finally:
+        for owner, value in saved:
+            if isinstance(owner, argparse.ArgumentParser):
+                owner._defaults.update(value)
+            else:
+                owner.default = value
+    return set(vars(namespace))
+
+
+def recorded_run(out_dir: Path) -> Optional[dict]:
+    """The ``run`` row of ``out_dir/results.jsonl`` (None without a readable one)."""
+    path = Path(out_dir) / "results.jsonl"
+    try:
+        with path.open("rb") as handle:
+            first = handle.readline()
+    except OSError:
+        return None
+    try:
+        row = json.loads(first)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return row if isinstance(row, dict) and row.get("type") == "run" else None
+
+
+def _same(dest: str, given, recorded) -> bool:
+    if dest == "policy" and given and recorded:
+        return Path(given).resolve() == Path(recorded).resolve()
+    return given == recorded
+
+
+def _conflict(option: str, given, recorded, out_dir: Path) -> CaseError:
+    return CaseError(option, f"conflicts with the run being resumed ({out_dir}), which recorded {recorded!r}, "
+                             f"not {given!r}; a resume continues the recorded run: drop {option}, or start a new "
+                             "run in another --out")
+
+
+def recorded_oracle(run_row: dict) -> Optional[str]:
+    against = str(run_row.get("against") or "")
+    return against.split(":", 1)[1] if against.startswith("oracle:") else None
+
+
+def apply_recorded_options(args: argparse.Namespace, given: Iterable[str], run_row: dict, out_dir: Path) -> None:
+    """Set ``args``' result-changing options to the recorded ones; a conflicting explicit option raises."""
+    given = set(given)
+    options = run_row.get("options") if isinstance(run_row.get("options"), dict) else {}
+    for dest, key in RECORDED_OPTIONS.items():
+        if key not in options:
+            continue
+        if dest in given and not _same(dest, getattr(args, dest, None), options[key]):
+            raise _conflict(f"--{dest}", getattr(args, dest, None), options[key], out_dir)
+        setattr(args, dest, options[key])
+
+
+def check_oracle(oracle: Optional[str], given: Iterable[str], run_row: dict, out_dir: Path) -> Optional[str]:
+    """The oracle of the resumed run (a different explicit ``--oracle`` raises)."""
+    recorded = recorded_oracle(run_row)
+    if "oracle" in set(given) and oracle != recorded:
+        raise _conflict("--oracle", oracle, recorded, out_dir)
+    return recorded
+
+
+def recorded_cases(run_row: dict, out_dir: Path) -> tuple[str, list[Case]]:
+    """``(suite label, cases)`` of the recorded selection, in the recorded order."""
+    selection = run_row.get("selection")
+    planned = run_row.get("planned")
+    if not isinstance(selection, dict) or not isinstance(planned, list):
+        raise CaseError("resume", f"the run in {out_dir} predates recorded selections; repeat its selection "
+                                  "(--suite / --case-id / --case / --limit) and options, or start a new run")
+    label = str(selection.get("label") or run_row.get("suite") or "adhoc")
+    if isinstance(selection.get("cases"), list):
+        cases = [Case.from_dict(c) for c in selection["cases"]]
+    else:
+        by_id = {c.id: c for c in load_suite(label)}
+        missing = [cid for cid in planned if cid not in by_id]
+        if missing:
+            raise CaseError("resume", f"{len(missing)} recorded case(s) are no longer in suite {label!r} (e.g. "
+                                      f"{missing[0]}; regenerated?): this run cannot be continued")
+        cases = [by_id[cid] for cid in planned]
+    return label, cases
+
+
+def check_selection(given: Iterable[str], chosen: Sequence[Case], run_row: dict, out_dir: Path) -> None:
+    """An explicit selection on a resume must pick exactly the recorded cases."""
+    named = sorted(set(given) & set(SELECTION_OPTIONS))
+    if named and [c.id for c in chosen] != list(run_row.get("planned") or []):
+        raise CaseError("--" + named[0].replace("_", "-"),
+                        f"selects other cases than the run being resumed ({out_dir}: "
+                        f"{len(run_row.get('planned') or [])} cases of {run_row.get('suite')!r}); a resume "
+                        "continues the recorded run: drop the selection, or start a new run in another --out")

@@ -1,0 +1,357 @@
+"""Runs that cannot lie: resume continues the recorded run, `latest` names the newest run from its start, cut-off
+and errored cases are re-run, a run directory is never clobbered or shared, user-caused conditions are one line.
+
+Every test here failed on the code before issue 20 (see the commit message for the record). The fault-injection
+tests (kills, a torn line, a full disk, concurrent writers) are in ``test_fault_injection.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parity import compare_runs
+from cli.main import main
+from parity.runner import resolve_out_dir
+from tests.parity.helpers import pick
+
+#: the three smallest smoke cases (2, 4 and 5 rows), reference against itself: well under a second each on a CPU
+TINY = ("8cd3769bc4c5", "7a71760e0223", "a30ba7040990")
+RUN = ["run", "--suite", "smoke", "--impl", "reference", "--quiet", *(a for cid in TINY for a in ("--case-id", cid))]
+
+
+def rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "results.jsonl").read_text().splitlines()]
+
+
+def case_ids(out_dir):
+    return [r["case_id"] for r in rows(out_dir) if r["type"] == "case"]
+
+
+def agree(a, b) -> bool:
+    return compare_runs.compare(compare_runs.load(a), compare_runs.load(b)).ok
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted run every interrupted-and-resumed run must equal."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    assert main(RUN + ["--out", str(out)]) == 0
+    return out
+
+
+def keep_cases(out_dir, n: int) -> None:
+    """Cut the stream after its first ``n`` whole cases (as a kill between two cases leaves it)."""
+    kept, seen = [], 0
+    for line in (out_dir / "results.jsonl").read_text().splitlines(keepends=True):
+        row = json.loads(line)
+        if row["type"] == "case":
+            seen += 1
+        if row["type"] == "end" or seen > n:
+            break
+        kept.append(line)
+    (out_dir / "results.jsonl").write_text("".join(kept))
+
+
+# ---- 1. --resume continues the recorded run ------------------------------------------------------------------------
+def test_resume_as_printed_continues_the_recorded_selection_and_implementation(whole, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(RUN + ["--out", str(out)]) == 0
+    keep_cases(out, 2)
+    # the README / --help / hints form: no --suite, no --impl, no --limit
+    assert main(["run", "--out", str(out), "--resume", "--quiet"]) == 0
+    assert case_ids(out) == case_ids(whole) == list(TINY)  # not the 48 smoke cases, not fused
+    assert rows(out)[0]["impl"] == "reference"
+    assert agree(whole, out)
+    assert "3 cases: 3 passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, option", [
+    (["--impl", "fused"], "--impl"),
+    (["--provider", "torch"], "--provider"),
+    (["--suite", "nightly"], "--suite"),
+    (["--limit", "2"], "--limit"),
+    (["--case-id", TINY[0]], "--case-id"),
+])
+def test_resume_with_a_conflicting_option_is_a_usage_error(whole, tmp_path, capsys, extra, option):
+    out = tmp_path / "r"
+    assert main(RUN + ["--out", str(out)]) == 0
+    keep_cases(out, 1)
+    before = (out / "results.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["run", "--out", str(out), "--resume", "--quiet", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {option}:"), err
+    assert (out / "results.jsonl").read_text() == before  # nothing appended
+
+
+def test_resume_repeating_the_recorded_options_is_fine(whole, tmp_path):
+    out = tmp_path / "r"
+    assert main(RUN + ["--out", str(out)]) == 0
+    keep_cases(out, 1)
+    assert main(RUN + ["--out", str(out), "--resume"]) == 0  # negative control of the conflict check
+    assert case_ids(out) == case_ids(whole)
+
+
+def test_the_budget_hint_works_as_printed(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(RUN + ["--out", str(out), "--budget-s", "1e-9"]) == 1
+    hint = capsys.readouterr().err
+    command = hint.split("continue with: ", 1)[1].split(")")[0].split()
+    assert command[:2] == ["dsv4-parity", "run"] and "--resume" in command
+    assert main(command[1:] + ["--quiet"]) == 0
+    assert case_ids(out) == list(TINY)
+
+
+def test_resume_of_an_ad_hoc_case_list_keeps_it(tmp_path):
+    a = pick(dtype="float32", layout="bshd", ratio="0")
+    b = pick(dtype="float64", layout="bshd", ratio="0")
+    out = tmp_path / "r"
+    assert main(["run", "--case", a.to_json(), "--case", b.to_json(), "--impl", "reference", "--quiet",
+                 "--out", str(out)]) == 0
+    keep_cases(out, 1)
+    assert main(["run", "--out", str(out), "--resume", "--quiet"]) == 0
+    assert case_ids(out) == [a.id, b.id]
+
+
+# ---- 2. latest names the newest run from its start -----------------------------------------------------------------
+def test_a_killed_run_is_latest_and_resume_continues_it(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "reports" / "out"
+    monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
+    link = root / "latest"
+    args = RUN + ["--out", str(link), "--make-default", "--no-report"]
+    monkeypatch.setattr("cli.main.new_run_id", lambda *a: "first")
+    assert main(args) == 0  # a complete older run
+    monkeypatch.setattr("cli.main.new_run_id", lambda *a: "second")
+    import parity.runner as runner
+
+    real, calls = runner.execute, []
+
+    def killed_at_the_third_case(request):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(request)
+
+    monkeypatch.setattr(runner, "execute", killed_at_the_third_case)
+    assert main(args) == 130
+    assert "continue with: dsv4-parity run --out" in capsys.readouterr().err
+    assert link.resolve() == root / "second"  # latest moved when the run started, not when it ended
+    monkeypatch.setattr(runner, "execute", real)
+    assert main(["run", "--out", str(link), "--resume", "--quiet"]) == 0
+    assert case_ids(root / "second") == list(TINY)
+    assert "2 cases already done, 1 to run" in capsys.readouterr().err
+
+
+# ---- 3. cut-off and errored cases are re-run -----------------------------------------------------------------------
+def test_a_case_cut_off_mid_rows_is_rerun(whole, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(RUN + ["--out", str(out)]) == 0
+    lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
+    second = [i for i, line in enumerate(lines) if '"type":"case"' in line][1]
+    (out / "results.jsonl").write_text("".join(lines[:second + 5]))  # 4 of its rows survived, all whole lines
+    capsys.readouterr()
+    assert main(["run", "--out", str(out), "--resume", "--quiet"]) == 0
+    assert "again: 1 cut off" in capsys.readouterr().err
+    assert agree(whole, out)
+
+
+def test_a_cut_off_case_is_flagged_by_the_report_loader(whole, tmp_path):
+    from reports.load import load_run
+
+    lines = (whole / "results.jsonl").read_text().splitlines(keepends=True)
+    second = [i for i, line in enumerate(lines) if '"type":"case"' in line][1]
+    (tmp_path / "results.jsonl").write_text("".join(lines[:second + 5]))
+    assert any("cut off" in w for w in load_run(tmp_path / "results.jsonl").warnings)
+    assert not any("cut off" in w for w in load_run(whole / "results.jsonl").warnings)
+
+
+def test_errored_cases_are_retried_by_resume(tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    argv = ["run", "--suite", "smoke", "--impl", "tests.parity.fakes:reference_flaky", "--case-id", TINY[1],
+            "--quiet", "--out", str(out)]
+    monkeypatch.setenv("DSV4_TEST_FLAKY", "1")
+    assert main(argv) == 1
+    assert {r["outcome"] for r in rows(out) if r["type"] == "case"} == {"error"}
+    monkeypatch.delenv("DSV4_TEST_FLAKY")
+    assert main(["run", "--out", str(out), "--resume", "--quiet"]) == 0
+    got = [r for r in rows(out) if r["type"] == "case"]
+    assert len(got) == 1 and got[0]["outcome"] == "pass"
+
+
+# ---- 5. an existing run directory is never clobbered, nor shared ---------------------------------------------------
+def test_an_existing_run_directory_is_refused_without_resume_or_force(whole, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(RUN + ["--out", str(out)]) == 0
+    (out / "index.html").write_text("<html>old</html>")
+    before = (out / "results.jsonl").read_text()
+    capsys.readouterr()
+    assert main(RUN + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: out:") and "--resume" in err and "--force" in err and len(err.splitlines()) == 1
+    assert (out / "results.jsonl").read_text() == before
+    assert main(RUN + ["--out", str(out), "--force"]) == 0
+    assert not (out / "index.html").exists() and case_ids(out) == list(TINY)
+
+
+def test_a_second_writer_is_refused_while_the_lock_is_held(tmp_path, capsys):
+    from parity.rundir import prepare
+
+    out = tmp_path / "r"
+    held = prepare(out, resume=False)
+    try:
+        assert main(RUN + ["--out", str(out), "--resume"]) == 2
+        assert "another dsv4-parity run" in capsys.readouterr().err
+    finally:
+        held.close()
+    assert main(RUN + ["--out", str(out), "--resume"]) == 0  # released: negative control
+
+
+# ---- 6. user-caused conditions: one line, non-zero, before the first case -----------------------------------------
+def test_out_under_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(RUN + ["--out", str(tmp_path / "file" / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: out:") and len(err.splitlines()) == 1
+    assert main(RUN + ["--out", str(tmp_path / "file")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_an_unwritable_junit_is_refused_before_the_first_case(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "r"
+    assert main(RUN + ["--out", str(out), "--junit", str(tmp_path / "file" / "junit.xml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: junit:") and len(err.splitlines()) == 1
+    assert not (out / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["report", "calibrate", "compare-runs"])
+def test_a_binary_results_file_is_rc_2_in_every_reader(whole, tmp_path, capsys, command):
+    junk = tmp_path / "results.jsonl"
+    junk.write_bytes(bytes(range(256)) * 8)
+    argv = {"report": ["report", str(junk), "--baseline", "none"], "calibrate": ["calibrate", str(junk)],
+            "compare-runs": ["compare-runs", str(junk), str(whole)]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "binary" in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_without_torch_is_one_line():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; sys.argv = ['dsv4-parity', 'run']; import runpy; "
+            "runpy.run_module('cli', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "cannot import torch" in done.stderr and "Traceback" not in done.stderr
+
+
+# ---- 7. validation -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, option", [
+    (["--budget-s", "0"], "--budget-s"), (["--budget-s", "-5"], "--budget-s"), (["--timeout", "0"], "--timeout"),
+    (["--limit", "0"], "--limit"), (["--limit", "-1"], "--limit"),
+])
+def test_non_positive_limits_are_usage_errors(tmp_path, capsys, extra, option):
+    out = tmp_path / "r"
+    assert main(["run", "--suite", "smoke", "--impl", "reference", "--quiet", "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {option}:") and len(err.splitlines()) == 1, err
+    assert not (out / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"classes": 3}', "[1, 2]"])
+def test_a_bad_policy_is_a_usage_error(tmp_path, capsys, text):
+    policy = tmp_path / "policy.json"
+    policy.write_text(text)
+    assert main(RUN + ["--out", str(tmp_path / "r"), "--policy", str(policy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: policy") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "r" / "results.jsonl").exists()
+
+
+def test_case_id_across_suites(tmp_path, capsys):
+    from cases.suites import load_suite, suite_names
+
+    by_id: dict = {}
+    for name in suite_names():
+        for case in load_suite(name):
+            by_id.setdefault(case.id, set()).add(name)
+    shared = next((cid for cid, names in by_id.items() if len(names) > 1), None)
+    if shared is not None:  # one case in two suites is one case, not an ambiguity
+        assert main(["run", "--case-id", shared, "--impl", "reference", "--quiet", "--out", str(tmp_path / "a")]) \
+            in (0, 1)
+        assert case_ids(tmp_path / "a") == [shared]
+    ids = sorted(by_id)
+    import os.path
+
+    prefix = max((os.path.commonprefix([a, b]) for a, b in zip(ids, ids[1:])), key=len)  # two near-twin ids
+    assert main(["run", "--case-id", prefix, "--quiet", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: case_id:") and "cases match" in err and len(err.splitlines()) == 1
+    for hit in (cid for cid in ids if cid.startswith(prefix)):
+        assert f"{hit} ({'/'.join(sorted(by_id[hit], key=suite_names().index))})" in err
+
+
+# ---- 8. shrink ------------------------------------------------------------------------------------------------------
+def test_shrink_prints_one_repro_that_carries_the_options(capsys):
+    case = pick(dtype="bfloat16", layout="bshd", scope="layer")
+    assert main(["shrink", "--case", case.to_json(), "--impl", "tests.parity.fakes:fused_bias",
+                 "--max-calls", "2"]) == 0
+    captured = capsys.readouterr()
+    assert (captured.out + captured.err).count("dsv4-parity run --case") == 1
+    assert "--impl tests.parity.fakes:fused_bias" in captured.out
+
+
+# ---- output ---------------------------------------------------------------------------------------------------------
+def test_a_run_off_a_terminal_prints_progress_lines(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("parity.progress.EVERY_S", 0.0)
+    assert main(RUN[:5] + ["--case-id", TINY[0], "--case-id", TINY[1], "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "progress: 1/2 cases (1 pass, 0 fail, 0 error, 0 unsupported)" in err and "ETA" in err
+    assert "progress: 2/2 cases" in err
+
+
+def test_unsupported_cases_are_one_line_per_reason_and_failures_print_a_repro(tmp_path, capsys):
+    argv = ["run", "--suite", "smoke", "--isolate", "none", *RUN[6:]]
+    assert main(argv + ["--impl", "tests.parity.fakes:fused_unsupported", "--out", str(tmp_path / "u")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("UNSUPPORTED") == 1 and "UNSUPPORTED 3 cases: " in err
+    assert main(argv + ["--impl", "tests.parity.fakes:fused_raises", "--out", str(tmp_path / "e")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("ERROR") == 3 and err.count("  repro: dsv4-parity run --case") == 3
+
+
+def test_resume_needs_an_out_directory(capsys):
+    assert main(["run", "--resume", "--quiet"]) == 2
+    assert "needs --out" in capsys.readouterr().err
+
+
+def test_out_directory_rules_are_unchanged(tmp_path, monkeypatch):
+    root = tmp_path / "reports" / "out"
+    monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
+    assert resolve_out_dir(str(root / "latest"), "R2", True, False) == (root / "R2", root / "latest")
+
+
+def test_a_case_that_cannot_fit_in_memory_is_refused_up_front_with_its_estimate(tmp_path, capsys, monkeypatch):
+    from parity import usage
+
+    case = pick(dtype="float32", layout="bshd", ratio="0")
+    need = 2 * usage.input_bytes(case)
+    monkeypatch.setattr(usage, "host_available_bytes", lambda: need - 1)
+    out = tmp_path / "r"
+    assert main(["run", "--case", case.to_json(), "--impl", "reference", "--quiet", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: case:") and case.id in err and "GiB" in err and len(err.splitlines()) == 1
+    assert not (out / "results.jsonl").exists()
+    monkeypatch.setattr(usage, "host_available_bytes", lambda: need)  # negative control: it fits exactly
+    assert main(["run", "--case", case.to_json(), "--impl", "reference", "--quiet", "--out", str(out)]) == 0
+
+
+def test_a_passing_run_prints_no_repro_in_its_report(whole, capsys):
+    assert main(["report", str(whole), "--baseline", "none", "--no-html", "--no-csv"]) == 0
+    out = capsys.readouterr().out
+    assert "Worst offenders" in out and TINY[0] in out  # the offenders table keeps the case ids
+    assert "dsv4-parity run --case" not in out and "Repro" not in out
