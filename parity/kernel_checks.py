@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from fused.kernels import contracts
+from fused.kernels.base import bind_arguments
 from fused.kernels.torch_provider import TorchKernels
 
 from . import metrics
@@ -470,6 +472,8 @@ def run_calls(calls: list[Call], timing: bool, capture: bool, log=print,
         try:
             prov = _provider(call.provider, call.provider_kwargs)
             args, kwargs = call.make()
+            # the wrapper's argument contract, as fused's dispatcher enforces it before any provider runs
+            contracts.check(call.stage, bind_arguments(call.stage, args, kwargs))
             reason = prov.check_support(call.stage, *args, **kwargs)
             if reason is not None:
                 parity_rows.append(dict(base, tensor="*", outcome="unsupported", message=reason))
