@@ -36,7 +36,8 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from bench.measure import KernelRecorder, synchronize
+from bench.measure import synchronize
+from fused.plan import observe_kernels
 
 #: Path segments of frames that belong to a kernel provider (its padding, its wrapper, the kernel packages).
 PROVIDER_PACKAGES = ("cudnn", "flash_mla", "cutlass", "tvm_ffi")
@@ -44,7 +45,7 @@ PROVIDER_PACKAGES = ("cudnn", "flash_mla", "cutlass", "tvm_ffi")
 OWN_PACKAGES = ("fused", "cases", "reference")
 _FRAME = re.compile(r"^(?P<path>.+)\((?P<line>\d+)\): (?P<func>.*)$")
 _AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
-#: ``record_function`` name prefix around every provider stage call while profiling (:class:`ProviderRanges`).
+#: ``record_function`` name prefix around every provider stage call while profiling (:func:`provider_ranges`).
 PROVIDER_RANGE = "provider::"
 #: ``record_function`` name prefix around every function of the composition while profiling
 #: (:class:`CompositionRanges`): ``"fused::<module>.<function>"``.
@@ -163,22 +164,13 @@ class CompositionRanges:
             setattr(module, attr, value)
 
 
-class ProviderRanges(KernelRecorder):
-    """Within ``with``: every provider stage method runs inside ``record_function("provider::<stage>")``, so the
-    kernels it launches — through ATen ops or not (CuTe DSL via TVM-FFI) — hang on that range or below it. The
-    stage methods are patched and restored by :class:`KernelRecorder`; only the wrapper differs."""
+def provider_ranges() -> contextlib.AbstractContextManager:
+    """Within ``with``: every kernel call of the fused path runs inside ``record_function("provider::<stage>")``,
+    so the kernels it launches — through ATen ops or not (CuTe DSL via TVM-FFI) — hang on that range or below it.
+    Attached at the dispatcher's observation point (:func:`fused.plan.observe_kernels`); no provider is touched."""
+    from torch.profiler import record_function
 
-    def __init__(self):
-        super().__init__("cpu")
-
-    def _wrap(self, method: Callable, stage: str, provider: str) -> Callable:
-        from torch.profiler import record_function
-
-        def ranged(*args, **kwargs):
-            with record_function(PROVIDER_RANGE + stage):
-                return method(*args, **kwargs)
-
-        return ranged
+    return observe_kernels(lambda stage, provider: record_function(PROVIDER_RANGE + stage))
 
 
 def _top_op(event: Any) -> str:
@@ -359,7 +351,7 @@ def profile_step(step: Callable[[], None], device: str, top: int = 25) -> dict:
     wall_ms = (time.perf_counter() - t0) * 1e3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     for attempt in range(3):
-        with profiler_chatter_dropped(), ProviderRanges(), CompositionRanges(), \
+        with profiler_chatter_dropped(), provider_ranges(), CompositionRanges(), \
                 profile(activities=activities, with_stack=True, record_shapes=False) as prof:
             step()
             synchronize(device)

@@ -6,7 +6,8 @@ empty cache: every CuTe-DSL kernel compiles) then **warm** (the same cache, as a
 records its wall time, the outcome counts, the per-case phases summed over the workers (``phases_s`` of the
 ``results.jsonl`` case rows: materialize / impl / reference / compare), and the compiled-kernel cache's counters summed
 over its processes (:mod:`fused.kernels.compile_cache`: per kernel namespace the compiles and their seconds, the
-loads from disk and theirs). Targets: warm ≤ 3 min, cold ≤ 5 min, no failure, and the two runs agree case by case.
+loads from disk and theirs). Targets (:data:`bench.targets.TARGETS`): warm and cold wall time, no failure, and the
+two runs agree case by case.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from bench.harness import case_rows, engine_phases
+from bench.targets import TARGETS
 from fused.kernels import compile_cache
 
 #: Library cache variables the child must derive from its own ``DSV4_PARITY_CACHE_DIR`` (not inherit from ours).
 CHILD_UNSET = ("CUTE_DSL_CACHE_DIR", "CUDNN_FRONTEND_COMPILED_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
                compile_cache.ENV_SWITCH)
-TARGETS_S = {"warm": 180.0, "cold": 300.0}
 REPO = Path(__file__).resolve().parents[1]  # the repository root (bench/..)
 PHASES = ("materialize", "impl", "reference", "compare")
 
@@ -41,21 +43,12 @@ def gate_command(suite: str, provider: str, workers: str, out: Path, limit: Opti
 
 def summarize_results(path: Path) -> dict[str, Any]:
     """Outcome counts and per-phase seconds summed over the case rows of one ``results.jsonl``."""
+    rows = case_rows(path) if path.is_file() else []
     outcomes: dict[str, int] = {}
-    phases = {p: 0.0 for p in PHASES}
-    cases = 0
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line of a killed run
-            if row.get("type") != "case":
-                continue
-            cases += 1
-            outcomes[row["outcome"]] = outcomes.get(row["outcome"], 0) + 1
-            for name, seconds in (row.get("phases_s") or {}).items():
-                phases[name] = phases.get(name, 0.0) + float(seconds)
+    for row in rows:
+        outcomes[row["outcome"]] = outcomes.get(row["outcome"], 0) + 1
+    phases = {**{p: 0.0 for p in PHASES}, **engine_phases(rows)}
+    cases = len(rows)
     total = sum(phases.values()) or 1.0
     return {"cases": cases, "outcomes": outcomes, "phases_s": {k: round(v, 2) for k, v in phases.items()},
             "phase_share": {k: round(v / total, 4) for k, v in phases.items()}}
@@ -102,7 +95,7 @@ def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provid
            "cache_dir": str(cache_dir), "out": str(out), "output_tail": tail.splitlines()[-6:]}
     row.update(summarize_results(out / "results.jsonl"))
     row["compile"] = collect_compile_stats(stats_dir)
-    target = TARGETS_S.get(label)
+    target = TARGETS.get(f"pr_gate_{label}_s")
     failed = row["outcomes"].get("fail", 0) + row["outcomes"].get("error", 0)
     row["target_s"] = target
     row["met"] = None if target is None else bool(wall <= target and code == 0 and failed == 0)
@@ -112,16 +105,7 @@ def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provid
 def compare_outcomes(cold_out: Path, warm_out: Path) -> dict[str, Any]:
     """Case-by-case outcome agreement of two runs (the cache must not change a verdict)."""
     def outcomes(path: Path) -> dict[str, str]:
-        rows = {}
-        if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if row.get("type") == "case":
-                    rows[row["case_id"]] = row["outcome"]
-        return rows
+        return {row["case_id"]: row["outcome"] for row in case_rows(path)} if path.is_file() else {}
 
     a, b = outcomes(cold_out / "results.jsonl"), outcomes(warm_out / "results.jsonl")
     differ = sorted(k for k in set(a) & set(b) if a[k] != b[k])

@@ -8,9 +8,9 @@ fused providers, and a time budget.
   sampled after every ATen op through a ``TorchDispatchMode``; it sees every tensor that is alive between two ops
   (outputs, saved-for-backward tensors), not the scratch buffers inside one op, and it slows the run down — so CPU
   memory is measured in a run of its own, never in a timed one.
-* :class:`KernelRecorder` — wraps the stage methods of every loaded provider of :mod:`fused.plan` (an instance
-  attribute shadowing the class method; removed on exit) and records calls, time and (optionally) each call's
-  peak memory. Only outermost calls are timed, so a provider that calls another stage is not counted twice.
+* :class:`KernelRecorder` — an observer of the fused path's kernel dispatcher (:func:`fused.plan.observe_kernels`)
+  that records calls, time and (optionally) each call's peak memory per stage and provider. Only outermost calls
+  are timed, so a kernel call made inside another is not counted twice.
 * :class:`Budget` — a wall-clock deadline with per-section shares, so that a bench in one device call ends in time.
 """
 
@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from fused.plan import observe_kernels
 
 
 # ---- timing -------------------------------------------------------------------------------------------------------
@@ -256,13 +258,6 @@ class MemoryMeter:
         return self._outer.retained if (self.available and self._outer is not None) else None
 
 
-def measure_memory(fn: Callable[[], Any], device: str) -> tuple[Optional[int], Any]:
-    """``(peak bytes above the start, fn's result)`` of one call of ``fn``."""
-    with MemoryMeter(device) as meter:
-        result = fn()
-    return meter.peak, result
-
-
 def is_oom(exc: BaseException) -> bool:
     """An out-of-memory failure (CUDA allocator or the host)."""
     if isinstance(exc, (MemoryError, getattr(torch.cuda, "OutOfMemoryError", MemoryError))):
@@ -306,6 +301,7 @@ class KernelRecorder:
     ``with KernelRecorder(device) as rec: ...`` — then ``rec.flush()`` (synchronises and reads the CUDA events),
     ``rec.stats`` ``{(stage, provider): KernelStat}`` and ``rec.total_seconds`` (outermost calls only).
     ``meter``: a running :class:`MemoryMeter`; each call then gets a memory window (slower: use in a memory run).
+    Attached at the dispatcher's observation point (:func:`fused.plan.observe_kernels`); no provider is touched.
     """
 
     def __init__(self, device: str, meter: Optional[MemoryMeter] = None):
@@ -314,54 +310,39 @@ class KernelRecorder:
         self.stats: dict[tuple[str, str], KernelStat] = {}
         self._pending: list[tuple[KernelStat, Stopwatch]] = []
         self._depth = 0
-        self._patched: list[tuple[Any, str]] = []
+        self._observing: Optional[contextlib.AbstractContextManager] = None
         self.enabled = True
 
-    def _instances(self) -> list:
-        from fused.plan import PROVIDERS, load_provider
-
-        return [inst for inst in (load_provider(name)[0] for name in PROVIDERS) if inst is not None]
-
     def __enter__(self) -> "KernelRecorder":
-        for inst in self._instances():
-            for stage in sorted(inst.stages):
-                if stage in vars(inst):
-                    continue
-                setattr(inst, stage, self._wrap(getattr(inst, stage), stage, inst.name))
-                self._patched.append((inst, stage))
+        self._observing = observe_kernels(self.observe)
+        self._observing.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for inst, stage in self._patched:
-            try:
-                delattr(inst, stage)
-            except AttributeError:
-                pass
-        self._patched.clear()
+        self._observing.__exit__(*exc)
+        self._observing = None
 
-    def _wrap(self, method: Callable, stage: str, provider: str) -> Callable:
-        def timed(*args, **kwargs):
-            if not self.enabled or self._depth:
-                return method(*args, **kwargs)
-            stat = self.stats.setdefault((stage, provider), KernelStat(stage, provider))
-            stat.calls += 1
-            watch = Stopwatch(self.device)
-            self._depth += 1
-            window = self.meter.window() if self.meter is not None else contextlib.nullcontext()
-            try:
-                with window as w:
-                    watch.start()
-                    result = method(*args, **kwargs)
-                    watch.stop()
-            finally:
-                self._depth -= 1
-            if self.meter is not None and w is not None:
-                stat.peak_bytes = max(stat.peak_bytes or 0, w.peak)
-            self._pending.append((stat, watch))
-            return result
-
-        timed.__name__ = stage
-        return timed
+    @contextlib.contextmanager
+    def observe(self, stage: str, provider: str):
+        """One kernel call (the observer :func:`fused.plan.observe_kernels` enters around it)."""
+        if not self.enabled or self._depth:
+            yield
+            return
+        stat = self.stats.setdefault((stage, provider), KernelStat(stage, provider))
+        stat.calls += 1
+        watch = Stopwatch(self.device)
+        self._depth += 1
+        window = self.meter.window() if self.meter is not None else contextlib.nullcontext()
+        try:
+            with window as w:
+                watch.start()
+                yield
+                watch.stop()
+        finally:
+            self._depth -= 1
+        if self.meter is not None and w is not None:
+            stat.peak_bytes = max(stat.peak_bytes or 0, w.peak)
+        self._pending.append((stat, watch))
 
     def flush(self) -> None:
         """Read the timings of the finished calls (synchronises on CUDA)."""

@@ -16,6 +16,15 @@ from typing import Any, Mapping
 from .errors import CaseError, require
 
 COMPRESS_RATIOS = (0, 4, 128)
+#: The CSA ratio: the only one with a lightning indexer (whose own compressor runs at it too) and an overlapping
+#: compressor (channel factor 2).
+INDEXER_RATIO = 4
+
+
+def overlap_factor(ratio: int) -> int:
+    """Compressor channel factor ``coff`` of a compressor of ``ratio``: 2 (overlapping blocks) at
+    :data:`INDEXER_RATIO`, else 1."""
+    return 2 if ratio == INDEXER_RATIO else 1
 
 
 @dataclass(frozen=True)
@@ -57,12 +66,12 @@ class ModelConfig:
     @property
     def has_indexer(self) -> bool:
         """Only ratio-4 layers outside dense mode have a lightning indexer."""
-        return self.compress_ratio == 4 and not self.csa_dense_mode
+        return self.compress_ratio == INDEXER_RATIO and not self.csa_dense_mode
 
     @property
     def coff(self) -> int:
         """Compressor channel factor: 2 for the overlapping r=4 compressor, else 1."""
-        return 2 if self.compress_ratio == 4 else 1
+        return overlap_factor(self.compress_ratio)
 
     @property
     def softmax_scale(self) -> float:

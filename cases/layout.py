@@ -132,11 +132,6 @@ class ThdLayout:
             out.append(out[-1] + n)
         return tuple(out)
 
-    def compressed_rows(self, ratio: int) -> int:
-        """Physical rows of the compressed buffers: the capacity if set, else the true count."""
-        true_rows = self.cu_seqlens_compressed(ratio)[-1]
-        return true_rows if self.compressed_capacity is None else self.compressed_capacity
-
     def row_kinds(self) -> list[str]:
         """Per physical row: ``"real"``, ``"pad"`` (alignment padding inside a segment) or ``"slack"``."""
         kinds = ["slack"] * self.total_tokens

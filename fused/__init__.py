@@ -21,6 +21,9 @@ Parity-engine hooks (``parity/impls.py``), so that ``--impl fused --provider aut
 ``use_backend(provider=..., require=...)``, ``available_providers()`` (``{name: None or why not}``, best first: the
 usable names on a CPU machine are ``["torch"]``) and ``executed()`` (``{stage: provider}`` of the last block).
 
+Observation: ``with fused.observe_kernels(observer): ...`` runs every kernel call inside
+``observer(stage, provider_name)`` (a context manager) — timers, counters and profiler ranges attach there.
+
 Modules: ``kernels`` (interface, contracts, torch provider), ``plan`` (selection), ``ops`` / ``compressor`` /
 ``indexer`` / ``layer`` (eager parts), ``rows`` (the query-row space of a call, both layouts, computed once and
 passed down), ``index_maps`` and ``thd`` (index and layout plumbing), ``sparse_attention``
@@ -31,8 +34,8 @@ from .core_attention import compressor, core_attention
 from .indexer import indexer
 from .layer import attention_layer
 from .plan import (BackendError, BackendUnavailable, Plan, StageUnsupported, available_providers, current_plan,
-                   executed, register_provider, use_backend)
+                   executed, observe_kernels, register_provider, use_backend)
 
 __all__ = ["BackendError", "BackendUnavailable", "Plan", "StageUnsupported", "attention_layer", "available_providers",
-           "compressor", "core_attention", "current_plan", "executed", "indexer", "register_provider",
-           "use_backend"]
+           "compressor", "core_attention", "current_plan", "executed", "indexer", "observe_kernels",
+           "register_provider", "use_backend"]

@@ -29,9 +29,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Union
 
-from .kernels.base import STAGES, KernelSet
+from cases.vocabulary import Unsupported
+
+from .kernels import contracts
+from .kernels.base import STAGES, KernelSet, bind_arguments
 
 #: Provider registry, in "auto" priority order: name -> "module:Class" (or a KernelSet subclass).
 PROVIDERS: dict[str, Union[str, type]] = {
@@ -51,11 +54,11 @@ class BackendError(RuntimeError):
     """Base class of plan errors."""
 
 
-class BackendUnavailable(BackendError):
+class BackendUnavailable(BackendError, Unsupported):
     """A requested provider cannot be loaded or cannot run on this machine."""
 
 
-class StageUnsupported(BackendError):
+class StageUnsupported(BackendError, Unsupported):
     """A requested provider declined a call (kernel shape support). ``stage``, ``provider``, ``reason``."""
 
     def __init__(self, stage: str, provider: str, reason: str):
@@ -144,9 +147,9 @@ class Plan:
     def _auto(self) -> list[KernelSet]:
         return [inst for inst in (load_provider(n)[0] for n in PROVIDERS) if inst is not None]
 
-    def select(self, stage: str, args: tuple = (), kwargs: Optional[dict] = None) -> KernelSet:
-        """The provider that runs this call of ``stage`` (recorded)."""
-        kwargs = kwargs or {}
+    def select(self, stage: str, arguments: Optional[dict] = None) -> KernelSet:
+        """The provider that runs this call of ``stage`` (recorded); ``arguments``: the call's, by name."""
+        arguments = arguments or {}
         forced = [n for n in self.require if stage in load_provider(n)[0].stages] if self.require else []
         choice = self._choice(stage)
         if not forced and choice != "auto":
@@ -157,7 +160,7 @@ class Plan:
                 forced = [choice]
         if forced:
             inst = load_provider(forced[0])[0]
-            reason = inst.check_support(stage, *args, **kwargs)
+            reason = inst.check_support(stage, **arguments)
             if reason is not None:
                 raise StageUnsupported(stage, inst.name, reason)
             return self._note(stage, inst)
@@ -165,7 +168,7 @@ class Plan:
         for inst in self._auto():
             if stage not in inst.stages:
                 continue
-            reason = inst.check_support(stage, *args, **kwargs)
+            reason = inst.check_support(stage, **arguments)
             if reason is None:
                 return self._note(stage, inst)
             declined.append(f"{inst.name}: {reason}")
@@ -223,16 +226,46 @@ def executed() -> dict[str, str]:
     return dict(_LAST[0].record) if _LAST else {}
 
 
+#: Kernel-call observers of the open :func:`observe_kernels` blocks, process-wide (as :data:`_ACTIVE`: autograd's
+#: device threads run backward kernel calls too), outermost first.
+_OBSERVERS: list[Callable[[str, str], ContextManager]] = []
+
+
+@contextlib.contextmanager
+def observe_kernels(observer: Callable[[str, str], ContextManager]) -> Iterator[None]:
+    """Within the block, every kernel call of the fused path runs inside ``observer(stage, provider_name)``, a
+    context manager the dispatcher enters after it chose the provider and exits when the provider returned (or
+    raised): the one place to time, count, profile or trace kernel calls without touching a provider.
+
+    Example: ``with observe_kernels(lambda stage, provider: torch.profiler.record_function(stage)): step()``.
+    Blocks nest (the innermost observer is entered last, closest to the call); a call that fails its argument
+    contract or finds no provider is not observed. Not thread-local: calls from every thread are observed."""
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+
+
 class _Kernels:
-    """``kernels.<stage>(...)``: the composition's single entry point to a kernel, routed through the plan."""
+    """``kernels.<stage>(...)``: the composition's single entry point to a kernel. Each call: its arguments are
+    bound by name, the stage's argument contract is enforced (:func:`fused.kernels.contracts.check`, before and
+    whatever the provider), the plan selects a provider (its ``check_support``), the provider executes it."""
 
     def __getattr__(self, stage: str) -> Any:
         if stage not in STAGES:
             raise AttributeError(f"no kernel stage {stage!r}")
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            provider = current_plan().select(stage, args, kwargs)
-            return getattr(provider, stage)(*args, **kwargs)
+            arguments = bind_arguments(stage, args, kwargs)
+            contracts.check(stage, arguments)
+            provider = current_plan().select(stage, arguments)
+            if not _OBSERVERS:
+                return provider.execute(stage, arguments)
+            with contextlib.ExitStack() as observed:
+                for observer in list(_OBSERVERS):
+                    observed.enter_context(observer(stage, provider.name))
+                return provider.execute(stage, arguments)
 
         call.__name__ = stage
         return call

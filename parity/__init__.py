@@ -9,10 +9,12 @@ One module per job:
 ``structure``       rule 1: exact structural checks (presence, shape, dtype, finiteness, padding, top-k conventions)
 ``topk``            the tie-margin-aware top-k comparison
 ``verdict``         the layered verdict per tensor and per case
+``location``        where a failing tensor is worst (index; THD segment, position, head) for the messages
 ``policy``          the tolerance policy (``policy.json``)
 ``engine``          one case: implementation, float64 truth and same-dtype noise run (split mode), then the verdict
 ``metamorphic``     single-implementation oracles (THD pack, padding poison, capacity, identical segments, ...)
 ``results``         the ``results.jsonl`` rows, streaming writer and resume
+``execution``       one request (case, options, oracle) run in this process: what the runner and the worker call
 ``runner``          a whole run: selection, isolation, progress, summary, exit code
 ``worker``          the isolated child process (one sticky CUDA fault costs one case)
 ``junit``           JUnit XML from the results

@@ -15,8 +15,8 @@ ambiguously near 0, so a rounding-flipped sign can neither fake nor hide an inde
 The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`).
 
 Outcomes: ``pass`` / ``fail`` (numeric or structural), ``error`` (an exception, e.g. a CUDA fault, or a crashed
-worker), ``unsupported`` (the implementation declined the case: ``NotImplementedError`` or an ``*Unsupported*``
-exception, or the case needs a GPU this machine lacks).
+worker), ``unsupported`` (the implementation declined the case: ``cases.vocabulary.Unsupported`` or
+``NotImplementedError``, or the case needs a GPU this machine lacks).
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from typing import Optional
 import torch
 
 from cases.case import Case
+from cases.coverage import features
 from cases.tensors import materialize
 
 from . import policy as policy_mod
 from . import sign_split, structure, verdict
 from .impls import Implementation, is_unsupported, policy_provider
 from .results import CaseResult
-from .snapshot import run
+from .snapshot import take_snapshot
 
 
 @dataclass
@@ -79,14 +80,6 @@ def configure_torch() -> None:
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def _features(case: Case) -> dict:
-    try:
-        from cases.coverage import features
-    except ImportError:  # the coverage module is optional for the engine
-        return {}
-    return features(case)
 
 
 def one_line(exc: BaseException) -> str:
@@ -136,7 +129,7 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
     start = time.perf_counter()
     provider = impl.resolve_provider(options.provider)
     result = CaseResult(case=case, outcome="error", decided_by="error", repro=options.repro(case),
-                        features=_features(case))
+                        features=features(case))
 
     def finish(outcome: str, decided_by: str, message: str) -> CaseResult:
         result.outcome, result.decided_by, result.message = outcome, decided_by, message
@@ -155,7 +148,7 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             tensors = materialize(case, device)
         stage = f"{impl.name} run"
         with clock("impl"):
-            impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
+            impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
         result.plan = impl_snap.record or {}
         stage, pattern = f"{impl.name} activation pattern", None
         if sign_split.applies(case):
@@ -219,15 +212,15 @@ def reference_runs(case: Case, against: Implementation, tensors, split: Optional
         if context is None:
             context, note = contextlib.nullcontext, f"{against.name} has no sign-split hook"
     try:
-        truth = run(against.api, case, tensors, upcast=True, topk_indices=split, context=context)
+        truth = take_snapshot(against.api, case, tensors, upcast=True, topk_indices=split, context=context)
     except Exception as exc:  # noqa: BLE001
         if split is None:
             raise
         split = None
         note = "; ".join(filter(None, (note, f"split mode impossible ({one_line(exc)}); compared with the "
                                              f"reference's own selection")))
-        truth = run(against.api, case, tensors, upcast=True, context=context)
-    noise = truth if case.dtype == "float64" else run(against.api, case, tensors, topk_indices=split,
+        truth = take_snapshot(against.api, case, tensors, upcast=True, context=context)
+    noise = truth if case.dtype == "float64" else take_snapshot(against.api, case, tensors, topk_indices=split,
                                                       context=context)
     return truth, noise, note
 
@@ -236,7 +229,7 @@ def snapshots(case: Case, impl: Implementation, against: Implementation, options
     """``(tensors, impl, truth, noise)`` snapshots of a case, for tests and interactive digging (raises)."""
     provider = impl.resolve_provider(options.provider)
     tensors = materialize(case, options.torch_device())
-    impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
+    impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
     pattern = observe_pattern(case, impl, tensors, provider, options, policy_mod.default())
     truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern)
     return tensors, impl_snap, truth, noise

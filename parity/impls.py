@@ -1,16 +1,11 @@
 """Implementations the engine can compare, by name: ``reference``, ``fused``, or any importable ``module[:attr]``.
 
 An implementation is an object (usually a module) exposing the public API of ARCHITECTURE.md
-(``attention_layer``, ``core_attention``). Optional hooks, looked up by name (``fused``'s conventions):
-
-* ``use_backend(provider=..., require=(...))`` — a context manager selecting the kernel provider(s); the object it
-  yields has ``record``: ``{stage: provider}`` of what actually ran (the ``plan`` field of a result);
-* ``available_providers()`` — ``{name: None if usable here else the reason}`` (or a list of usable names);
-* ``use_activation_pattern(active, window)`` — a context manager differentiating the indexer's ReLU at another
-  implementation's activation pattern (sign-split, :mod:`parity.sign_split`; the reference has it), yielding an
-  object with ``record``.
-
-Without ``use_backend`` the provider is ignored (the reference has none; its provider reads ``"none"``).
+(``attention_layer``, ``core_attention``). One with kernel providers also satisfies :class:`ProviderHooks`
+(``fused``'s conventions). Without them the provider is ignored (the reference has none; its provider reads
+``"none"``). Another optional hook, looked up by
+name: ``use_activation_pattern(active, window)``, a context manager differentiating the indexer's ReLU at another
+implementation's activation pattern (sign-split, :mod:`parity.sign_split`; the reference has it).
 """
 
 from __future__ import annotations
@@ -18,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Protocol, Union, runtime_checkable
+
+from cases.vocabulary import Unsupported
 
 BUILTIN = {"reference": "reference", "fused": "fused"}
 
@@ -28,10 +25,21 @@ class ImplError(ValueError):
 
 
 def is_unsupported(exc: BaseException) -> bool:
-    """Architecture or kernel limits: ``NotImplementedError``, or an exception class named ``*Unsupported*`` /
-    ``*Unavailable*`` (fused's ``StageUnsupported``, ``BackendUnavailable``)."""
-    return isinstance(exc, NotImplementedError) or any(
-        "Unsupported" in k.__name__ or "Unavailable" in k.__name__ for k in type(exc).__mro__)
+    """Architecture or kernel limits: :class:`cases.vocabulary.Unsupported` (fused's ``StageUnsupported``,
+    ``BackendUnavailable``) or ``NotImplementedError``."""
+    return isinstance(exc, (Unsupported, NotImplementedError))
+
+
+@runtime_checkable
+class ProviderHooks(Protocol):
+    """The hooks of an implementation with kernel providers (both required; ``fused`` has them)."""
+
+    def use_backend(self, provider: str = "auto", require: tuple = ()) -> ContextManager[Any]:
+        """A context manager selecting the kernel provider(s); the object it yields has ``record``:
+        ``{stage: provider}`` of what actually ran (the ``plan`` field of a result)."""
+
+    def available_providers(self) -> Union[Mapping[str, Optional[str]], Iterable[str]]:
+        """``{name: None if usable here else the reason}`` (or a list of usable names)."""
 
 
 @dataclass
@@ -39,20 +47,20 @@ class Implementation:
     name: str
     api: Any
 
-    def _hook(self, name: str) -> Optional[Callable]:
-        fn = getattr(self.api, name, None)
-        return fn if callable(fn) else None
+    @property
+    def hooks(self) -> Optional[ProviderHooks]:
+        """The implementation's provider hooks, or ``None`` if it has no kernel providers."""
+        return self.api if isinstance(self.api, ProviderHooks) else None
 
     @property
     def has_providers(self) -> bool:
-        return self._hook("use_backend") is not None
+        return self.hooks is not None
 
     def providers(self) -> dict:
         """``{provider: None or why it is unavailable}`` (empty without providers)."""
-        fn = self._hook("available_providers")
-        if fn is None:
+        if self.hooks is None:
             return {}
-        found = fn()
+        found = self.hooks.available_providers()
         return dict(found) if isinstance(found, dict) else {name: None for name in found}
 
     def resolve_provider(self, provider: str) -> str:
@@ -70,17 +78,17 @@ class Implementation:
             raise ImplError(f"provider {provider!r} is unavailable here: {known[provider]}")
 
     def context(self, provider: str, require: Optional[str] = None) -> Callable[[], ContextManager]:
-        fn = self._hook("use_backend")
-        if fn is None or provider == "none":
+        hooks = self.hooks
+        if hooks is None or provider == "none":
             return contextlib.nullcontext
         required = (require,) if require else ()
-        return lambda: fn(provider=provider, require=required)
+        return lambda: hooks.use_backend(provider=provider, require=required)
 
 
     def activation_context(self, active, window: float) -> Optional[Callable[[], ContextManager]]:
         """Sign-split context factory for ``active``, or None if this implementation has no such hook."""
-        fn = self._hook("use_activation_pattern")
-        return None if fn is None else (lambda: fn(active, window))
+        fn = getattr(self.api, "use_activation_pattern", None)
+        return None if not callable(fn) else (lambda: fn(active, window))
 
 
 def policy_provider(record: Optional[dict], requested: str) -> str:

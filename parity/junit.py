@@ -6,9 +6,12 @@ failure and the body holds the repro command, so a CI page shows how to re-run e
 
 from __future__ import annotations
 
-import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from cases.vocabulary import OUTCOMES
+
+from .results import read_rows
 
 
 def _label(case: dict) -> str:
@@ -18,18 +21,10 @@ def _label(case: dict) -> str:
 
 
 def write_junit(results: Path, target: Path) -> Path:
-    rows = []
-    run = {}
-    for line in Path(results).read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("type") == "case":
-            rows.append(row)
-        elif row.get("type") == "run" and not run:
-            run = row
-    counts = {o: sum(r["outcome"] == o for r in rows) for o in ("pass", "fail", "error", "unsupported")}
+    everything = read_rows(results)
+    rows = [row for row in everything if row.get("type") == "case"]
+    run = next((row for row in everything if row.get("type") == "run"), {})
+    counts = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
     suite = ET.Element("testsuite", name=f"dsv4-parity.{run.get('suite', 'run')}", tests=str(len(rows)),
                        failures=str(counts["fail"]), errors=str(counts["error"]), skipped=str(counts["unsupported"]),
                        time=f"{sum(float(r.get('duration_s') or 0) for r in rows):.3f}")

@@ -28,9 +28,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from fused.kernels import contracts
+from fused.kernels.base import bind_arguments
 from fused.kernels.torch_provider import TorchKernels
 
-from . import metrics as M
+from . import metrics
 from . import policy as policy_mod
 from .graph_replay import capture_graph
 from .kernel_rules import METRIC_KEYS, KernelRule, kernel_metrics, rule_for
@@ -378,6 +380,7 @@ def build_calls(dev: torch.device, seed: int = 0, div: int = 1) -> list[Call]:
 
 # ================================================================ running =============================================
 def _provider(name: str, kwargs: dict):
+    # the GPU providers load only when asked for (as fused.plan registers them: by dotted path)
     if name == "flashmla":
         from fused.kernels.flashmla_provider import FlashMLAKernels
         return FlashMLAKernels()
@@ -430,7 +433,7 @@ def capture_check(call: Call, provider, eager, policy: Optional[policy_mod.Polic
             a, b = a.sort(-1).values, b.sort(-1).values
         a, b = torch.nan_to_num(a.float()), torch.nan_to_num(b.float())
         if not torch.equal(a, b):
-            worst = max(worst, M.rel_l2(M.upcast(a), M.upcast(b)))
+            worst = max(worst, metrics.rel_l2(metrics.upcast(a), metrics.upcast(b)))
     if worst == 0.0:
         return "ok (bit-exact)"
     return f"ok (rel_l2 {worst:.2g}, atomics order)" if worst <= limit else \
@@ -469,6 +472,8 @@ def run_calls(calls: list[Call], timing: bool, capture: bool, log=print,
         try:
             prov = _provider(call.provider, call.provider_kwargs)
             args, kwargs = call.make()
+            # the wrapper's argument contract, as fused's dispatcher enforces it before any provider runs
+            contracts.check(call.stage, bind_arguments(call.stage, args, kwargs))
             reason = prov.check_support(call.stage, *args, **kwargs)
             if reason is not None:
                 parity_rows.append(dict(base, tensor="*", outcome="unsupported", message=reason))

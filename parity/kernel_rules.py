@@ -16,7 +16,7 @@ import torch
 
 from cases.errors import CaseError
 
-from . import metrics as M
+from . import metrics
 from . import policy as policy_mod
 
 #: Metric columns of a kernel_parity.csv row (besides stage, call, provider, tensor, outcome, message).
@@ -100,13 +100,13 @@ class KernelRule:
 def kernel_metrics(a: torch.Tensor, b: torch.Tensor, mask: Optional[torch.Tensor] = None) -> dict[str, float]:
     """Error of the kernel's ``a`` against the torch provider's ``b`` in float64 on their device, over ``mask`` if
     given: :data:`METRIC_KEYS` (``mixed`` = ``max|a-b| / (1+|b|)``, ``nan`` = NaN count of ``a``)."""
-    a, b = M.upcast(a), M.upcast(b)
+    a, b = metrics.upcast(a), metrics.upcast(b)
     if mask is not None:
         a, b = a[mask], b[mask]
     if not a.numel():
         return dict(n=0, max_abs=0.0, max_rel=0.0, rel_l2=0.0, cosine=1.0, mixed=0.0, nan=0)
-    return dict(n=a.numel(), max_abs=M.max_abs(a, b), max_rel=M.max_rel(a, b), rel_l2=M.rel_l2(a, b),
-                cosine=M.cosine(a, b), mixed=M.mixed_error(a, b), nan=M.nan_count(a))
+    return dict(n=a.numel(), max_abs=metrics.max_abs(a, b), max_rel=metrics.max_rel(a, b), rel_l2=metrics.rel_l2(a, b),
+                cosine=metrics.cosine(a, b), mixed=metrics.mixed_error(a, b), nan=metrics.nan_count(a))
 
 
 def judge_row(row: Mapping[str, str], policy: Optional[policy_mod.Policy] = None) -> tuple[bool, str]:

@@ -37,16 +37,17 @@ from typing import Callable, Optional
 import torch
 
 from cases.case import Case
+from cases.coverage import features
 from cases.layout import BshdLayout, ThdLayout
 from cases.tensors import CaseTensors, materialize
 
-from . import graph_replay as GR
-from . import metrics as M
+from . import graph_replay
+from . import metrics
 from . import policy as policy_mod
-from .engine import RunOptions, _features, _where, one_line
+from .engine import RunOptions, _where, one_line
 from .impls import Implementation, is_unsupported
 from .results import CaseResult
-from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, run, tensor_class
+from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, take_snapshot, tensor_class
 from .verdict import MetricRow, TensorResult
 
 POISON = 1e3
@@ -89,16 +90,16 @@ def compare(name: str, case: Case, a: Optional[torch.Tensor], b: Optional[torch.
                             message="" if ok else f"{name}: {diff} entries differ", metrics=rows)
     same = (a == b) | (torch.isnan(a) & torch.isnan(b))
     n_diff = int((~same).sum())
-    fa, fb = M.as_f64(a), M.as_f64(b)
+    fa, fb = metrics.as_f64(a), metrics.as_f64(b)
     finite = torch.isfinite(fa) & torch.isfinite(fb)
     pattern = int((torch.isfinite(fa) != torch.isfinite(fb)).sum())
-    err = M.max_abs(fa[finite], fb[finite]) if finite.any() else 0.0
+    err = metrics.max_abs(fa[finite], fb[finite]) if finite.any() else 0.0
     scale = float(fb[finite].abs().max()) if finite.any() else 0.0
-    unit = M.eps(case.torch_dtype) * scale  # ULPs of the working precision (an fp32 sink grad of a bf16 case)
+    unit = metrics.eps(case.torch_dtype) * scale  # ULPs of the working precision (an fp32 sink grad of a bf16 case)
     in_ulps = err / unit if unit > 0 else (0.0 if err == 0 else float("inf"))
     rows = [MetricRow("n_diff", float(n_diff), 0.0 if mode == "exact" else None,
                       (n_diff == 0) if mode == "exact" else None),
-            MetricRow("max_abs", err), MetricRow("rel_l2", M.rel_l2(fa[finite], fb[finite])),
+            MetricRow("max_abs", err), MetricRow("rel_l2", metrics.rel_l2(fa[finite], fb[finite])),
             MetricRow("nonfinite_mismatch", float(pattern), 0.0, pattern == 0)]
     if mode == "exact":
         ok = n_diff == 0
@@ -289,8 +290,8 @@ def _replay_result(name: str, case: Case, replayed: Optional[torch.Tensor], eage
     exact = compare(name, case, replayed, eager, "exact", 0.0)
     if exact.verdict == "pass" or exact.rule == "structure" or not replayed.is_floating_point():
         return exact
-    a, b = (torch.nan_to_num(M.as_f64(x), posinf=0.0, neginf=0.0) for x in (replayed, eager))
-    rel = M.rel_l2(a, b)
+    a, b = (torch.nan_to_num(metrics.as_f64(x), posinf=0.0, neginf=0.0) for x in (replayed, eager))
+    rel = metrics.rel_l2(a, b)
     ok = rel <= limit
     return TensorResult(name, exact.tensor_class, exact.dtype, exact.shape, "pass" if ok else "fail", "graph",
                         "" if ok else f"{name}: replay vs eager rel_l2 {rel:.3g} > {limit:g}",
@@ -302,15 +303,16 @@ def _graph_replay(case: Case, runner, ulps: float, capture: Optional[Callable] =
     if capture is None:
         if runner.device != "cuda":
             raise NotImplementedError("graph-replay captures a CUDA graph: it needs a CUDA device")
-        capture = GR.capture_graph
+        capture = graph_replay.capture_graph
     limit = float(runner.policy.kernel_entry("graph_replay")["rel_l2"])
     device = runner.device
-    layouts = [GR.static_layout(lay, case.config.compress_ratio)
-               for lay in [case.layout] + GR.repackings(case.layout)]
+    layouts = [graph_replay.static_layout(lay, case.config.compress_ratio)
+               for lay in [case.layout] + graph_replay.repackings(case.layout)]
     T = materialize(case, device)
     with runner.block():
-        eager = [GR.GraphStep(runner.impl.api, case, T, lay).run() for lay in layouts]  # fresh buffers: no aliasing
-        step = GR.GraphStep(runner.impl.api, case, T, layouts[0])
+        # fresh buffers: no aliasing
+        eager = [graph_replay.GraphStep(runner.impl.api, case, T, lay).run() for lay in layouts]
+        step = graph_replay.GraphStep(runner.impl.api, case, T, layouts[0])
         graph, static = capture(step.run)
     reals = [lay.real_row_mask("cpu") for lay in layouts]
     out = []
@@ -364,7 +366,7 @@ ORACLES = {
     "determinism": Oracle("determinism", "two runs are bit-identical (padding rows included)", lambda c: True,
                           _determinism),
     "graph-replay": Oracle("graph-replay", "a CUDA graph replayed on other packings equals eager (CUDA only)",
-                           lambda c: _thd(c) and bool(GR.repackings(c.layout)), _graph_replay),
+                           lambda c: _thd(c) and bool(graph_replay.repackings(c.layout)), _graph_replay),
 }
 
 
@@ -390,7 +392,7 @@ class _Runner:
             self.plan.setdefault(stage, provider)
 
     def __call__(self, case: Case, tensors: CaseTensors) -> Snapshot:
-        snap = run(self.impl.api, case, tensors, context=self.impl.context(self.provider, self.require))
+        snap = take_snapshot(self.impl.api, case, tensors, context=self.impl.context(self.provider, self.require))
         for stage, provider in (snap.record or {}).items():
             self.plan.setdefault(stage, provider)
         return snap
@@ -403,7 +405,7 @@ def run_oracle(name: str, case: Case, impl: Implementation, options: RunOptions,
     oracle = ORACLES[name]
     start = time.perf_counter()
     provider = impl.resolve_provider(options.provider)
-    result = CaseResult(case=case, outcome="error", decided_by="error", features=_features(case),
+    result = CaseResult(case=case, outcome="error", decided_by="error", features=features(case),
                         repro=options.repro(case) + f" --oracle {name}")
     device = options.torch_device()
 

@@ -113,10 +113,6 @@ def nan_count(x: torch.Tensor) -> int:
     return int(torch.isnan(x).sum()) if x.is_floating_point() else 0
 
 
-def inf_count(x: torch.Tensor) -> int:
-    return int(torch.isinf(x).sum()) if x.is_floating_point() else 0
-
-
 # ---- noise-floor metrics ---------------------------------------------------------------------------------------------
 def ulp_floor(r: torch.Tensor, dtype: torch.dtype, ulps: float) -> float:
     """``ulps · eps(dtype) · max|r|``: the tensor-wide absolute floor."""

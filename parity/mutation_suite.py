@@ -29,10 +29,11 @@ from typing import Callable, Optional, Sequence
 from cases.case import Case
 from cases.coverage import Cell, cell_name, features, hits, parse_cell
 
-from parity import mutants
-from parity import policy as policy_mod
-from parity.engine import RunOptions, run_case
-from parity.runner import RunConfig, _impl, new_run_id, run
+from . import mutants
+from . import policy as policy_mod
+from . import runner
+from .engine import RunOptions, run_case
+from .execution import load_impl
 
 DEFAULT_OUT = Path("reports") / "out" / "mutants"
 MUTANTS_NAME = "mutants.jsonl"
@@ -181,14 +182,14 @@ def mutation_suite(cases: Sequence[Case], names: Sequence[str], out_dir: Path, *
     (out_dir / MUTANTS_NAME).unlink(missing_ok=True)  # never leave a previous run's matrix next to this run
     options = RunOptions(impl="fused", against="reference", provider=provider, device=device,
                          policy_path=policy_path)
-    config = RunConfig(suite=suite, options=options, out_dir=out_dir, isolate="none", quiet=quiet, argv=argv,
-                       run_id=new_run_id(suite, "fused", "mutants"))
-    counts, _ = run(cases, config)
+    config = runner.RunConfig(suite=suite, options=options, out_dir=out_dir, isolate="none", quiet=quiet, argv=argv,
+                              run_id=runner.new_run_id(suite, "fused", "mutants"))
+    counts, _ = runner.run(cases, config)
     clean = clean_outcomes(out_dir / "results.jsonl")
     echo(f"clean: {sum(counts.values())} cases: {counts['pass']} passed, {counts['fail']} failed, "
          f"{counts['error']} errors, {counts['unsupported']} unsupported")
     policy = policy_mod.load(policy_path) if policy_path else policy_mod.default()
-    impl, against = _impl("fused"), _impl("reference")
+    impl, against = load_impl("fused"), load_impl("reference")
     outcomes = []
     for name in names:
         o = run_mutant(name, cases, clean, lambda case: run_case(case, impl, against, options, policy),

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from cases.errors import CaseError
+from cases.vocabulary import TENSOR_CLASSES
 
 POLICY_PATH = Path(__file__).with_name("policy.json")
-TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer")
 THRESHOLD_KEYS = ("noise_floor_ratio", "ulps", "cosine_eps", "tensor_sim_eps", "rmse_ratio", "scale_ratio")
 OPTIONAL_KEYS = {"scalar_ulps": 0.0, "scale_floor": 0.25, "atol": 0.0, "similarity_cap": 0.1}
 

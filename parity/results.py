@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from cases.case import Case
+from cases.vocabulary import OUTCOMES
 
-OUTCOMES = ("pass", "fail", "error", "unsupported")
+from .verdict import MetricRow, TensorResult
+
 FLOAT_MAX = 1.7976931348623157e308
 
 
@@ -81,8 +83,6 @@ class CaseResult:
     @classmethod
     def from_rows(cls, rows: list[dict]) -> "CaseResult":
         """Rebuild from rows (worker → parent transfer; tensors come back as plain verdict objects)."""
-        from .verdict import MetricRow, TensorResult
-
         head = rows[0]
         tensors = {}
         for row in rows[1:]:
@@ -144,6 +144,17 @@ class ResultsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a ``results.jsonl`` in file order (a torn line of a killed run is skipped)."""
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Iterable, Optional, Sequence
 
 from cases.case import Case
 from cases.errors import CaseError
+from cases.suites import load_suite
 
 #: command-line dest -> key of the run row's ``options``
 RECORDED_OPTIONS = {"impl": "impl", "against": "against", "provider": "provider", "device": "device",
@@ -117,8 +118,6 @@ def recorded_cases(run_row: dict, out_dir: Path) -> tuple[str, list[Case]]:
     if isinstance(selection.get("cases"), list):
         cases = [Case.from_dict(c) for c in selection["cases"]]
     else:
-        from cases.suites import load_suite
-
         by_id = {c.id: c for c in load_suite(label)}
         missing = [cid for cid in planned if cid not in by_id]
         if missing:

@@ -1,7 +1,7 @@
 """A parity run: cases → isolated execution → ``results.jsonl`` streamed case by case → summary, JUnit, exit code.
 
-``execute(request)`` runs one case in the current process and returns its result rows; the worker child
-(:mod:`parity.worker`) calls the same function. :func:`run` drives a whole run:
+:func:`run` drives a whole run (one case in this process: :func:`parity.execution.execute`, which the worker
+child, :mod:`parity.worker`, calls too):
 
 * writes the ``run`` row (options and :func:`parity.environment.environment`), then one block of rows per case as
   it finishes, then the ``end`` row with the counts;
@@ -26,59 +26,32 @@
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
-from cases.case import Case
+import torch
 
-from . import results as R
+from cases.case import Case
+from cases.errors import CaseError
+
+from . import results
 from . import shard
-from .engine import RunOptions, run_case
+from .engine import RunOptions
+from .environment import environment
+from .execution import error_rows, execute, load_impl
+from .junit import write_junit
 from .progress import Progress
 from .rundir import check_writable_file, prepare
 from .shard import Slot
+from .worker import WorkerPool
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_ROOT = REPO / "reports" / "out"
-
-
-@functools.lru_cache(maxsize=None)
-def _impl(name: str):
-    from .impls import load
-
-    return load(name)
-
-
-def execute(request: dict) -> list[dict]:
-    """Run one request ``{"case", "options", "oracle"}`` in this process; returns its result rows."""
-    case = Case.from_dict(request["case"])
-    options = RunOptions(**request["options"])
-    oracle = request.get("oracle")
-    try:
-        impl = _impl(options.impl)
-        if oracle:
-            from .metamorphic import run_oracle
-
-            result = run_oracle(oracle, case, impl, options)
-        else:
-            result = run_case(case, impl, _impl(options.against), options)
-    except Exception as exc:  # noqa: BLE001 — e.g. an implementation that cannot even be imported
-        from .engine import one_line
-
-        result = R.CaseResult(case=case, outcome="error", decided_by="error", message=one_line(exc),
-                              repro=options.repro(case),
-                              first_failure={"tensor": None, "rule": "error", "message": one_line(exc)})
-    return result.rows()
-
-
-def error_rows(case: Case, options: RunOptions, message: str) -> list[dict]:
-    return R.CaseResult(case=case, outcome="error", decided_by="error", message=message, repro=options.repro(case),
-                        first_failure={"tensor": None, "rule": "error", "message": message}).rows()
 
 
 # ---- output directory ------------------------------------------------------------------------------------------------
@@ -148,8 +121,6 @@ class RunConfig:
 
 def _isolation(config: RunConfig, workers: int) -> str:
     if config.isolate == "none" and workers > 1:
-        from cases.errors import CaseError
-
         raise CaseError("isolate", f"'none' runs in this process and cannot use {workers} workers "
                                    "(use --isolate worker or case, or --workers 1)")
     if config.isolate != "auto":
@@ -170,8 +141,6 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     workers = shard.resolve_workers(config.workers, device)
     mode = _isolation(config, workers)  # usage errors before anything is written
     if config.threads is not None and config.threads < 1:
-        from cases.errors import CaseError
-
         raise CaseError("threads", f"must be a positive integer, got {config.threads}")
     slots = shard.plan_slots(workers, device, threads=config.threads)
     out_dir = config.out_dir
@@ -184,7 +153,7 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
         rundir.close()
 
 
-def _resume_note(existing: R.Existing, todo: int) -> str:
+def _resume_note(existing: results.Existing, todo: int) -> str:
     again = []
     if existing.cut:
         again.append(f"{len(existing.cut)} cut off")
@@ -196,10 +165,8 @@ def _resume_note(existing: R.Existing, todo: int) -> str:
 
 def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: int, mode: str,
                 slots: list[Slot], path: Path) -> tuple[dict, int]:
-    from .environment import environment
-
     out_dir = config.out_dir
-    existing = R.read_for_resume(path) if config.resume else R.Existing(None, {})
+    existing = results.read_for_resume(path) if config.resume else results.Existing(None, {})
     todo = [c for c in cases if c.id not in existing.outcomes]
     if workers > 1:
         todo = shard.by_cost(todo, device)  # the shared queue: most expensive first (LPT)
@@ -210,7 +177,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         threads_before = _set_threads(config.threads)
         threads = _set_threads(None)
     started = time.perf_counter()
-    writer = R.ResultsWriter(path)
+    writer = results.ResultsWriter(path)
     if existing.run_row is None:
         opts = config.options
         writer.write([{"type": "run", "run_id": config.run_id, "suite": config.suite, "impl": opts.impl,
@@ -232,7 +199,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         return {"case": case.to_dict(), "options": asdict(config.options), "oracle": config.oracle}
 
     def finished(case: Case, rows: list[dict], slot: Slot) -> None:
-        writer.write(R.sealed(_tag(rows, slot)))
+        writer.write(results.sealed(_tag(rows, slot)))
         outcomes[case.id] = rows[0]["outcome"]
         progress.done(rows[0])
 
@@ -253,8 +220,6 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
                 progress.starting(case)
                 finished(case, execute(request(case)), slots[0])
         else:
-            from .worker import WorkerPool
-
             pool = WorkerPool(slots[:max(1, min(workers, len(todo)))], timeout=config.timeout,
                               fresh=(mode == "case"))
             jobs = ((c, request(c)) for c in within_budget(todo))
@@ -263,7 +228,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
                 if done.retried:  # re-run alone after running out of GPU memory on a shared GPU (additive field)
                     rows[0].setdefault("retried", done.retried)
                 finished(done.key, rows, done.slot)
-    except R.ResultsWriteError as exc:
+    except results.ResultsWriteError as exc:
         failure = exc
     except KeyboardInterrupt:
         print(f"interrupted: the finished cases are kept in {path}; continue with: "
@@ -277,7 +242,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
             _set_threads(threads_before)
         if failure is not None:
             writer.close()
-    counts = R.counts(outcomes.values())
+    counts = results.counts(outcomes.values())
     if failure is not None:
         print(f"error: {failure.strerror}; the run stopped, {sum(counts.values())} finished cases are kept; free "
               f"space, then continue with: {resume_command(out_dir)}", file=sys.stderr)
@@ -290,14 +255,12 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     code = 1 if counts["fail"] or counts["error"] or not_run else 0
     try:
         writer.write([end])
-    except R.ResultsWriteError as exc:
+    except results.ResultsWriteError as exc:
         print(f"error: {exc.strerror}; every case finished but the end row is missing: continue with "
               f"{resume_command(out_dir)}", file=sys.stderr)
         code = 2
     writer.close()
     if config.junit:
-        from .junit import write_junit
-
         try:
             write_junit(path, config.junit)
         except OSError as exc:
@@ -312,15 +275,11 @@ class Interrupted(KeyboardInterrupt):
 
 def resume_command(out_dir: Path) -> str:
     """The command continuing the run in ``out_dir`` (the recorded run decides suite, implementation, options)."""
-    import shlex
-
     return f"dsv4-parity run --out {shlex.quote(str(out_dir))} --resume"
 
 
 def _set_threads(threads: Optional[int]) -> int:
     """Set this process's intra-op thread count (``None``: leave it); returns the count before."""
-    import torch
-
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -330,7 +289,7 @@ def _set_threads(threads: Optional[int]) -> int:
 def _run_provider(options: RunOptions) -> str:
     """The provider recorded in the ``run`` row: as requested, ``none`` for an implementation without providers."""
     try:
-        return _impl(options.impl).resolve_provider(options.provider)
+        return load_impl(options.impl).resolve_provider(options.provider)
     except Exception:  # noqa: BLE001 — an implementation that cannot load is reported per case
         return options.provider
 
@@ -339,8 +298,6 @@ def select(cases: Iterable[Case], ids: Sequence[str], suites: Optional[dict] = N
     """Cases whose id equals or starts with one of ``ids`` (every id must match exactly one case). ``suites``
     (case id -> suite names) says where each candidate comes from when the pool spans several suites; a case found
     in several suites is one case."""
-    from cases.errors import CaseError
-
     cases = list({c.id: c for c in cases}.values())
     chosen = []
     for wanted in ids:

@@ -81,9 +81,9 @@ def _call(module, case: Case, inputs: dict, params: dict, psp, topk_indices) -> 
                                  case.config, psp, **kwargs)
 
 
-def run(module, case: Case, tensors: CaseTensors, *, upcast: bool = False,
-        topk_indices: Optional[torch.Tensor] = None,
-        context: Callable[[], ContextManager] = contextlib.nullcontext) -> Snapshot:
+def take_snapshot(module, case: Case, tensors: CaseTensors, *, upcast: bool = False,
+                  topk_indices: Optional[torch.Tensor] = None,
+                  context: Callable[[], ContextManager] = contextlib.nullcontext) -> Snapshot:
     """Run ``module.attention_layer`` / ``core_attention`` forward and backward on fresh leaves.
 
     ``upcast``: run on the float64 upcast of the case tensors (the truth run: the case-dtype values, exactly);

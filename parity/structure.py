@@ -22,7 +22,8 @@ import torch
 from cases.case import Case
 from cases.tensors import CaseTensors
 
-from .snapshot import INPUT_ORDER, Snapshot, other_rows, real_rows
+from .location import first_where, row_mask
+from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, other_rows, real_rows
 
 
 def _fmt_dtype(x: torch.Tensor) -> str:
@@ -96,12 +97,14 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
         if name == "topk_indices":
             continue  # below, needs the scores
         if a.is_floating_point() and torch.isnan(a).any() and name != "out" and name != "lse":
-            problems[name].append(f"{int(torch.isnan(a).sum())} NaN values")
+            problems[name].append(f"{int(torch.isnan(a).sum())} NaN values"
+                                  + first_where(case, name, torch.isnan(a), is_row_tensor(name)))
             continue
         if name in ("out", "lse"):
             ar = real_rows(a, mask)
             if not torch.isfinite(ar).all():
-                problems[name].append(f"{int((~torch.isfinite(ar)).sum())} non-finite values on real rows")
+                problems[name].append(f"{int((~torch.isfinite(ar)).sum())} non-finite values on real rows"
+                                      + first_where(case, name, ~torch.isfinite(a) & row_mask(mask, a), True))
             if slack is not None and slack.any():
                 sr = real_rows(a, slack)
                 want = 0.0 if name == "out" else float("-inf")
@@ -117,12 +120,14 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
                 if torch.isposinf(a).any():
                     problems[name].append("+inf scores")
         elif not torch.isfinite(a).all():
-            problems[name].append(f"{int((~torch.isfinite(a)).sum())} non-finite values")
+            problems[name].append(f"{int((~torch.isfinite(a)).sum())} non-finite values"
+                                  + first_where(case, name, ~torch.isfinite(a), is_row_tensor(name)))
         if name.startswith("grad/") and name[5:] in INPUT_ORDER and not bool(mask.all()):
             pad = other_rows(a, mask)
             if (pad != 0).any():
                 problems[name].append(f"gradient on padding rows is not exactly 0 ({int((pad != 0).sum())} "
-                                      "non-zero elements)")
+                                      "non-zero elements" + first_where(case, name, (a != 0) & ~row_mask(mask, a), True)
+                                      + ")")
 
     idx, scores = impl["topk_indices"], truth["index_scores"]
     if idx is not None and not problems.get("topk_indices"):

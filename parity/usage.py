@@ -10,9 +10,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Optional
 
 from cases.errors import CaseError
+from cases.tensors import input_shapes, output_shape, parameter_shapes
+
+from .policy import load as load_policy
 
 
 def _positive(args: argparse.Namespace, dest: str, option: str, what: str) -> None:
@@ -26,10 +30,8 @@ def check_run_options(args: argparse.Namespace) -> None:
     _positive(args, "timeout", "--timeout", "a positive number of seconds")
     _positive(args, "limit", "--limit", "at least 1")
     if getattr(args, "policy", None):
-        from .policy import load
-
         try:
-            load(args.policy)
+            load_policy(args.policy)
         except (OSError, UnicodeDecodeError) as exc:
             raise CaseError("policy", f"cannot read {args.policy}: {getattr(exc, 'strerror', None) or exc}") from None
         except (AttributeError, TypeError):
@@ -40,10 +42,6 @@ def check_run_options(args: argparse.Namespace) -> None:
 def input_bytes(case) -> int:
     """Bytes of a case's inputs, parameters and output gradient drawn in float64 (how :func:`cases.tensors.materialize`
     draws them, on the host, before casting)."""
-    import math
-
-    from cases.tensors import input_shapes, output_shape, parameter_shapes
-
     shapes = [*input_shapes(case).values(), *parameter_shapes(case.config, case.scope).values(), output_shape(case)]
     return 8 * sum(math.prod(s) for s in shapes)
 

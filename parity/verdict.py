@@ -31,8 +31,9 @@ import torch
 from cases.case import Case
 from cases.tensors import CaseTensors
 
-from . import metrics as M
+from . import metrics
 from . import topk as topk_protocol
+from .location import where_worst
 from .policy import Policy, Tolerance
 from .snapshot import Snapshot, is_row_tensor, real_rows, tensor_class
 
@@ -107,7 +108,7 @@ def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torc
                   tol: Tolerance, scalar_numel: int, nan: int = 0, inf: int = 0) -> tuple[str, str, list]:
     """Rules 2-4 on restricted float64 tensors; returns ``(verdict, rule, metric rows, failure message)``."""
     per_element = r.numel() <= scalar_numel
-    values = M.compute(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
+    values = metrics.compute(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
                        scale_floor=tol.scale_floor, atol=tol.atol)
     rows = []
     for metric in ("max_abs", "max_rel", "rmse", "rel_l2", "cosine", "tensor_sim", "frac_outside",
@@ -143,7 +144,7 @@ def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torc
 
 
 def _restrict(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    x = M.upcast(x)
+    x = metrics.upcast(x)
     return real_rows(x, mask) if is_row_tensor(name) else x
 
 
@@ -180,6 +181,8 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
         tol = policy.tolerance(cls, case.dtype, provider)
         dtype = case.torch_dtype  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
         verdict, rule, rows, msg = judge_numeric(name, cls, ar, rr, pr, dtype, tol, policy.scalar_numel, nan, inf)
+        if verdict == "fail":
+            msg += where_worst(case, name, a, r, mask if is_row_tensor(name) else None)
         results.append(TensorResult(**base, verdict=verdict, rule=rule, message=msg, metrics=rows))
     return results, report
 
@@ -187,15 +190,15 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
 def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results):
     k = case.config.dsa_indexer_topk
     scores = truth["index_scores"]
-    rs = real_rows(M.as_f64(scores), mask)
+    rs = real_rows(metrics.as_f64(scores), mask)
     ps = noise["index_scores"]
     ims = impl["index_scores"]
     knobs = policy.topk(case.dtype)
     score_dtype = torch.float64 if case.dtype == "float64" else torch.float32
     idx = real_rows(a.cpu().to(torch.int64), mask)
     rep = topk_protocol.compare(idx.reshape(idx.shape[0], -1), rs,
-                                None if ims is None else real_rows(M.as_f64(ims), mask),
-                                None if ps is None else real_rows(M.as_f64(ps), mask),
+                                None if ims is None else real_rows(metrics.as_f64(ims), mask),
+                                None if ps is None else real_rows(metrics.as_f64(ps), mask),
                                 k, score_dtype, ulps=float(knobs.get("ulps", 2)),
                                 margin_factor=float(knobs.get("margin_factor", 1.0)))
     rows = [MetricRow("rows", float(rep.rows)), MetricRow("rows_clear", float(rep.clear)),

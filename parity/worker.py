@@ -1,7 +1,7 @@
 """Case isolation: cases run in child processes so that a crash or a sticky CUDA error fails one case only.
 
 The child (``python -m parity.worker``) reads one request per line on stdin, ``{"case": {...}, "options": {...},
-"oracle": null | name}``, runs it with :func:`parity.runner.execute` and answers one line on its protocol channel:
+"oracle": null | name}``, runs it with :func:`parity.execution.execute` and answers one line on its protocol channel:
 ``@@dsv4-parity@@ <JSON list of result rows>``. Anything the libraries print goes to stderr (fd 1 is redirected),
 so the channel stays clean. ``DSV4_PARITY_THREADS`` in its environment sets its intra-op thread count.
 
@@ -352,8 +352,8 @@ def main() -> int:
     sys.stdout = sys.stderr
     import torch
 
-    from .engine import configure_torch
-    from .runner import execute  # imported after the redirect: importing torch may print
+    from .engine import configure_torch  # imported after the redirect: importing torch may print
+    from .execution import execute
 
     configure_torch()
     if os.environ.get(THREADS_ENV):

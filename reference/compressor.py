@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from cases.config import ModelConfig
+from cases.config import INDEXER_RATIO, ModelConfig, overlap_factor
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 
@@ -35,8 +35,16 @@ ATTENTION_PREFIX = "core_attention.compressor"
 INDEXER_PREFIX = "core_attention.indexer.compressor"
 
 
+def visible_compressed_count(seq_len: int, ratio: int, n_comp: int, device=None) -> torch.Tensor:
+    """The causal rule of compressed entries, the one place it is written: query row ``i`` (``0 .. seq_len-1``) sees
+    the entries ``g < min(floor((i+1)/ratio), n_comp)`` (module docstring); returns those counts ``[seq_len]``."""
+    i = torch.arange(seq_len, device=device)
+    return torch.clamp((i + 1) // ratio, max=n_comp)
+
+
 def compressor_geometry(prefix: str, config: ModelConfig) -> tuple[int, int]:
-    """``(ratio, head_dim)`` of the compressor named ``prefix``: the attention one (r, D) or the indexer's (4, dI)."""
+    """``(ratio, head_dim)`` of the compressor named ``prefix``: the attention one (r, D) or the indexer's
+    (:data:`INDEXER_RATIO`, dI)."""
     if prefix == ATTENTION_PREFIX:
         if not config.has_compressor:
             raise CaseError("config.compress_ratio", f"a ratio-{config.compress_ratio} layer has no compressor")
@@ -45,7 +53,7 @@ def compressor_geometry(prefix: str, config: ModelConfig) -> tuple[int, int]:
         if not config.has_indexer:
             raise CaseError("config.compress_ratio",
                             "only ratio-4 layers outside dense mode have an indexer compressor")
-        return 4, config.dsa_indexer_head_dim
+        return INDEXER_RATIO, config.dsa_indexer_head_dim
     raise CaseError("prefix", f"must be {ATTENTION_PREFIX!r} or {INDEXER_PREFIX!r}, got {prefix!r}")
 
 
@@ -62,8 +70,8 @@ def compress_sequence(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, a
     """Compress each sequence of ``x [B, L, Hd]`` into ``[B, L // ratio, head_dim]`` entries (module docstring)."""
     B, L, _ = x.shape
     n_comp, d = L // ratio, head_dim
-    overlap = ratio == 4
-    coff = 2 if overlap else 1
+    coff = overlap_factor(ratio)
+    overlap = coff == 2
     work = compute_dtype(x.dtype)
 
     tokens = x[:, : n_comp * ratio]
@@ -86,7 +94,7 @@ def compress_with_params(x: torch.Tensor, params: Mapping[str, torch.Tensor], pr
                          rotate: bool) -> torch.Tensor:
     """:func:`compress_sequence` with the weights of compressor ``prefix`` taken from ``params``."""
     ratio, d = compressor_geometry(prefix, config)
-    coff, Hd = (2 if ratio == 4 else 1), config.hidden_size
+    coff, Hd = overlap_factor(ratio), config.hidden_size
     return compress_sequence(
         x,
         get_param(params, f"{prefix}.linear_wkv.weight", (coff * d, Hd)),

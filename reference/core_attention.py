@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from cases.config import ModelConfig
+from cases.config import INDEXER_RATIO, ModelConfig
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 from cases.outputs import AttentionOutput
@@ -60,7 +60,7 @@ def core_sequence(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q
         if c.has_indexer:
             scores, own_topk = indexer_sequence(hidden, q_latent, params, c, index_keys, pattern)
             used_topk = own_topk if topk_indices is None else topk_indices
-            compressed_ids = selected_compressed_indices(used_topk, S, 4, n_comp)
+            compressed_ids = selected_compressed_indices(used_topk, S, INDEXER_RATIO, n_comp)
         else:
             compressed_ids = all_compressed_indices(S, c.compress_ratio, n_comp, query.device).expand(B, S, n_comp)
         indices = torch.cat((indices, compressed_ids), dim=-1)
@@ -138,13 +138,13 @@ def _core_thd(query, kv, hidden, q_latent, params, config: ModelConfig, psp: Pac
         compressed = thd.segment_compressed(packed, segs, c.compress_ratio)
     if c.has_indexer:
         packed = compressor(hidden.detach(), params, INDEXER_PREFIX, c, psp, rotate=True)
-        index_keys = thd.segment_compressed(packed, segs, 4)
+        index_keys = thd.segment_compressed(packed, segs, INDEXER_RATIO)
 
     def one(x):
         return None if x is None else x.unsqueeze(0)
 
     outs, lses, kl_sums, topks, scores = [], [], [], [], []
-    width = max(psp.max_seqlen_q, max((s.length for s in segs), default=0)) // 4
+    width = max(psp.max_seqlen_q, max((s.length for s in segs), default=0)) // INDEXER_RATIO
     pattern = activation.current_pattern() if c.has_indexer else None
     for b, s in enumerate(segs):
         res = core_sequence(query[s.rows][None], kv[s.rows][None], hidden[s.rows][None], q_latent[s.rows][None],

@@ -18,22 +18,16 @@ from typing import Mapping, Optional
 
 import torch
 
-from cases.config import ModelConfig
+from cases.config import INDEXER_RATIO, ModelConfig
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 
 from . import activation, thd
-from .compressor import INDEXER_PREFIX, compress_with_params
+from .compressor import INDEXER_PREFIX, compress_with_params, visible_compressed_count
 from .hadamard import rotate_activation
 from .numerics import compute_dtype, per_block, row_chunks
 from .params import get_param
 from .rope import apply_rope, layer_inv_freq
-
-
-def visible_compressed_count(seq_len: int, ratio: int, n_comp: int, device=None) -> torch.Tensor:
-    """``min(floor((i+1)/ratio), n_comp)`` for query rows ``i = 0 .. seq_len-1``: entries ``g`` below it are visible."""
-    i = torch.arange(seq_len, device=device)
-    return torch.clamp((i + 1) // ratio, max=n_comp)
 
 
 def indexer_query(q_latent: torch.Tensor, wq_b: torch.Tensor, n_heads: int, head_dim: int,
@@ -67,7 +61,7 @@ def score_rows(q: torch.Tensor, kf: torch.Tensor, w: torch.Tensor, scale: float,
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float, ratio: int = 4,
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float, ratio: int = INDEXER_RATIO,
                  pattern: Optional[activation.ActivationPattern] = None) -> torch.Tensor:
     """``I [B, S, n_comp]`` (float32 / float64) with ``-inf`` on causally invalid entries.
 
@@ -120,7 +114,7 @@ def indexer_sequence(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mappi
         index_keys = compress_with_params(x, params, INDEXER_PREFIX, c, rotate=True)
     w = indexer_weights(x, get_param(params, "core_attention.indexer.linear_weights_proj.weight",
                                      (nI, c.hidden_size)))
-    scores = index_scores(q, index_keys, w, c.indexer_softmax_scale, ratio=4, pattern=pattern)
+    scores = index_scores(q, index_keys, w, c.indexer_softmax_scale, ratio=INDEXER_RATIO, pattern=pattern)
     return scores, select_topk(scores, c.dsa_indexer_topk)
 
 
@@ -138,16 +132,16 @@ def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, t
         return indexer_sequence(hidden, q_latent, params, config)
     T = hidden.shape[0]
     segs = thd.segments(packed_seq_params, T)
-    width = max(packed_seq_params.max_seqlen_q, max((s.length for s in segs), default=0)) // 4
-    score_rows, topk_rows = [], []
+    width = max(packed_seq_params.max_seqlen_q, max((s.length for s in segs), default=0)) // INDEXER_RATIO
+    segment_scores, segment_topk = [], []
     for s in segs:
         scores, topk = indexer_sequence(hidden[s.rows].unsqueeze(0), q_latent[s.rows].unsqueeze(0), params, config)
-        score_rows.append(pad_columns(scores[0], width, float("-inf")))
-        topk_rows.append(topk[0])
+        segment_scores.append(pad_columns(scores[0], width, float("-inf")))
+        segment_topk.append(topk[0])
     k = config.dsa_indexer_topk
     score_row = hidden.new_empty((0, width), dtype=compute_dtype(hidden.dtype))
-    scores = thd.place_rows(score_rows, T, float("-inf"), like=score_row)
-    topk = thd.place_rows(topk_rows, T, -1, like=torch.empty((0, k), dtype=torch.int64, device=hidden.device))
+    scores = thd.place_rows(segment_scores, T, float("-inf"), like=score_row)
+    topk = thd.place_rows(segment_topk, T, -1, like=torch.empty((0, k), dtype=torch.int64, device=hidden.device))
     return scores, topk
 
 

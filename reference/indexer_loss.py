@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from cases.config import ModelConfig
+from cases.config import INDEXER_RATIO, ModelConfig
 
-from .indexer import visible_compressed_count
+from .compressor import visible_compressed_count
 from .numerics import FP32_TINY, compute_dtype, per_block, row_chunks
 from .sparse_attention import gather_rows, window_indices
 
@@ -103,7 +103,7 @@ def indexer_kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], qu
     query, kv, compressed, attn_sink = query.detach(), kv.detach(), compressed.detach(), attn_sink.detach()
     scale = config.softmax_scale
     lse_nc = window_sink_lse(query, kv, attn_sink, config.csa_window_size, scale)
-    visible = visible_compressed_count(S, 4, n_comp, query.device)
+    visible = visible_compressed_count(S, INDEXER_RATIO, n_comp, query.device)
     blocks = [per_block(kl_rows, index_scores[:, rows], None if topk is None else topk[:, rows], query[:, rows],
                         compressed, lse_nc[:, rows], visible[rows], scale)
               for rows in row_chunks(S)]

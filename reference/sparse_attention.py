@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .compressor import visible_compressed_count
 from .numerics import compute_dtype, per_block, row_chunks
 
 
@@ -27,16 +28,16 @@ def window_indices(seq_len: int, window: int, device=None) -> torch.Tensor:
 
 
 def all_compressed_indices(seq_len: int, ratio: int, n_comp: int, device=None) -> torch.Tensor:
-    """``[S, n_comp]`` ids ``S + g`` of every visible entry (``g < floor((i+1)/r)``), else ``-1`` (r=128, dense)."""
-    i = torch.arange(seq_len, device=device).unsqueeze(1)
+    """``[S, n_comp]`` ids ``S + g`` of every visible entry (:func:`.compressor.visible_compressed_count`), else
+    ``-1`` (r=128, dense)."""
+    visible = visible_compressed_count(seq_len, ratio, n_comp, device).unsqueeze(1)
     g = torch.arange(n_comp, device=device)
-    return torch.where(g < (i + 1) // ratio, seq_len + g, -1)
+    return torch.where(g < visible, seq_len + g, -1)
 
 
 def selected_compressed_indices(topk: torch.Tensor, seq_len: int, ratio: int, n_comp: int) -> torch.Tensor:
     """``[B, S, K]`` kv_full ids ``S + g`` of the selected local ids ``g`` that pass the causal rule, else ``-1``."""
-    i = torch.arange(seq_len, device=topk.device).unsqueeze(1)
-    visible = torch.clamp((i + 1) // ratio, max=n_comp)
+    visible = visible_compressed_count(seq_len, ratio, n_comp, topk.device).unsqueeze(1)
     keep = (topk >= 0) & (topk < visible)
     return torch.where(keep, topk + seq_len, -1)
 

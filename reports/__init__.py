@@ -9,8 +9,7 @@ Modules, in data-flow order:
 * :mod:`reports.baselines` — committed baselines ``reports/baselines/<arch>/<name>/``.
 * :mod:`reports.coverage`, :mod:`reports.mutants` — coverage matrix, mutation kill matrix.
 * :mod:`reports.terminal`, :mod:`reports.plots`, :mod:`reports.html` (+ ``templates/``) — the three views.
-* :mod:`reports.render`    — all views of one run directory; :mod:`reports.commands` — ``report`` / ``compare``.
-* :mod:`reports.synthetic` — synthetic streams for tests and the render benchmark.
+* :mod:`reports.render`    — all views of one run directory (the ``report`` / ``compare`` commands are in ``cli/``).
 
 Never imports ``reference``, ``fused`` or ``parity``.
 """

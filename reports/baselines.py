@@ -23,10 +23,12 @@ from typing import Any
 
 import pandas as pd
 
+from cases.vocabulary import OUTCOMES
+
 from .drift import GateConfig
 from .errors import ReportError
 from .load import RESULTS_NAME, RunData, ended_complete, load_run, peek_run
-from .schema import CSV_SCHEMA_VERSION, OUTCOMES
+from .schema import CSV_SCHEMA_VERSION
 from .table import CSV_NAME, metrics_table, read_csv, write_csv
 
 BASELINES_ROOT = Path(__file__).resolve().parent / "baselines"

@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from .schema import OUTCOMES
+from cases.vocabulary import OUTCOMES
 
 
 def cell(value: Any) -> str:

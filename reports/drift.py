@@ -37,8 +37,10 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from cases.vocabulary import TENSOR_CLASSES
+
 from .errors import ReportError
-from .schema import DRIFT_METRICS, TENSOR_CLASSES, dtype_eps
+from .schema import DRIFT_METRICS, dtype_eps
 
 KEY = ["case_id", "tensor"]
 #: Default floors in ulps: element-wise maxima of a correct kernel sit at a few ulps, RMS aggregates below one.
@@ -142,10 +144,6 @@ class DriftResult:
     def passed(self) -> bool:
         """No regression, no new failure, and at least one pair compared (a gate that compared nothing fails)."""
         return not self.pairs.empty and not self.regressions and self.new_failures.empty
-
-    def pair_ratio(self) -> pd.Series:
-        """Ratio per (case_id, tensor) (MultiIndex), for the views."""
-        return self.pairs.set_index(KEY)["ratio"]
 
 
 def _floor(config: GateConfig, dtypes: pd.Series) -> np.ndarray:

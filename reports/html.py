@@ -19,12 +19,14 @@ from typing import Any
 import jinja2
 import pandas as pd
 
+from cases.vocabulary import OUTCOMES
+
 from . import plots
 from .coverage import coverage, gaps
 from .drift import DriftResult
 from .load import RunData
 from .mutants import MutantReport
-from .schema import CSV_COLUMNS, OUTCOMES
+from .schema import CSV_COLUMNS
 from .summary import case_summary, class_summary, outcome_by_class, plan_counts, topk_regimes
 from .terminal import INF_SENTINEL, fmt, ratio_text
 

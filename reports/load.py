@@ -28,8 +28,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from cases.vocabulary import OUTCOMES, TENSOR_CLASSES
+
 from .errors import ReportError
-from .schema import OUTCOMES, TENSOR_CLASSES, usage_array
+from .schema import usage_array
 
 RESULTS_NAME = "results.jsonl"
 REQUIRED = {

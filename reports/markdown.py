@@ -5,7 +5,7 @@ as well in a terminal, a wiki or a merge-request note. Sections, in order:
 
 1. **Verdict** — one line: ``PASS`` or ``FAIL`` with the reasons (cases failed / errored, run incomplete, drift
    regression or new failures), then the run's identity (suite, implementations, provider, GPU, torch, git).
-2. **Outcomes** — cases per outcome: the four of ``reports.schema.OUTCOMES`` always, then any other outcome the
+2. **Outcomes** — cases per outcome: the four of ``cases.vocabulary.OUTCOMES`` always, then any other outcome the
    case rows carry (e.g. ``known``, a registered known deviation) with its count; an unknown outcome is counted,
    never fatal. A run stopped by ``--budget-s`` says how many cases it did not start.
 3. **Drift** (with a baseline) — per tensor class: pairs, median / p90 / max of the current/baseline ratios, the
@@ -36,9 +36,10 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
+from cases.vocabulary import OUTCOMES
+
 from .drift import DriftResult
 from .load import RunData
-from .schema import OUTCOMES
 from .summary import offenders, plan_counts
 from .terminal import fmt, ratio_text
 

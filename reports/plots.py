@@ -19,8 +19,10 @@ import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from cases.vocabulary import TENSOR_CLASSES  # noqa: E402
+
 from .drift import DriftResult  # noqa: E402
-from .schema import TENSOR_CLASSES, dtype_eps  # noqa: E402
+from .schema import dtype_eps  # noqa: E402
 
 CLASS_COLORS = dict(zip(TENSOR_CLASSES, ("#1f77b4", "#9467bd", "#17becf", "#7f7f7f", "#bcbd22", "#2ca02c",
                                          "#ff7f0e", "#d62728")))

@@ -1,4 +1,5 @@
-"""Names shared by every view: row types of ``results.jsonl``, tensor classes, metrics and the CSV column schema.
+"""Names shared by every view: row types of ``results.jsonl``, metrics and the CSV column schema (outcomes and
+tensor classes: :mod:`cases.vocabulary`).
 
 The CSV schema (``results.csv`` and a baseline's ``metrics.csv``) is documented in ``reports/SCHEMA.md``; the column
 order below is that schema, version :data:`CSV_SCHEMA_VERSION`. Adding a column at the end is a minor change;
@@ -12,9 +13,7 @@ import math
 import numpy as np
 
 ROW_TYPES = ("run", "case", "tensor", "metric", "end")
-OUTCOMES = ("pass", "fail", "error", "unsupported")
 VERDICTS = ("pass", "fail")
-TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer")
 
 #: Metrics with a fixed CSV column, in column order. Other metrics the engine emits follow them alphabetically.
 KNOWN_METRICS = ("max_abs", "max_rel", "rmse", "rel_l2", "cosine", "tensor_sim", "nan", "inf", "frac_outside",

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from cases.vocabulary import OUTCOMES, TENSOR_CLASSES
+
 from .drift import DriftResult
 from .load import RunData
-from .schema import OUTCOMES, TENSOR_CLASSES
 
 SEVERITY = {"fail": 0, "error": 1, "unsupported": 3, "pass": 2}
 

@@ -8,12 +8,14 @@ subclasses :class:`KernelSet` and implements the methods it has kernels for.
 Two kinds of checks, kept apart on purpose:
 
 * **argument contract** — ranks, index dtypes (int32), required arguments (``max_seqlen_*`` for THD), shape
-  consistency between arguments, contiguity where the wrapper does not stage copies. Every provider enforces it
-  (``fused.kernels.contracts``) with the exception type and message the real wrapper raises, so a composition bug
-  fails on the CPU exactly as it would on the GPU.
+  consistency between arguments, contiguity where the wrapper does not stage copies. Enforced once, by the
+  dispatcher (``fused.plan.kernels``) before it chooses a provider (``fused.kernels.contracts.check``), with the
+  exception type and message the real wrapper raises, so a composition bug fails on the CPU exactly as it would on
+  the GPU, whichever provider would have run the call.
 * **kernel shape support** — what a given kernel build accepts (bf16 only, head dim 512, indexer heads ≥ 64,
-  ``K % 128 == 0`` …). Per provider, reported by :meth:`KernelSet.check_support` as a reason string (``None`` =
-  supported) so a backend plan can tell "unsupported" apart from "wrong".
+  ``K % 128 == 0`` …). Per provider, one lifecycle (cudnn-frontend's ``check_support`` → ``execute``):
+  :meth:`KernelSet.check_support` answers a reason string (``None`` = supported) so a backend plan can tell
+  "unsupported" apart from "wrong", then :meth:`KernelSet.execute` runs the call.
 
 Symbols: ``B`` batch, ``S_q``/``S_k`` query/key rows, ``T`` packed rows, ``H`` query heads, ``D`` head dim,
 ``K`` index width. "Global" index = flat row of the packed / flattened key buffer; "local" = row within a batch
@@ -22,6 +24,8 @@ element or segment.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -57,6 +61,20 @@ class TupleDict(dict):
         return super().__getitem__(key)
 
 
+@functools.lru_cache(maxsize=None)
+def _stage_signature(stage: str) -> inspect.Signature:
+    signature = inspect.signature(getattr(KernelSet, stage))
+    return signature.replace(parameters=list(signature.parameters.values())[1:])  # without ``self``
+
+
+def bind_arguments(stage: str, args: tuple = (), kwargs: Optional[dict] = None) -> dict[str, Any]:
+    """The arguments of a ``stage`` call by name, defaults applied, exactly as the stage method receives them (a
+    ``TypeError`` names a missing or unknown argument, as calling the method would)."""
+    bound = _stage_signature(stage).bind(*args, **(kwargs or {}))
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
 class KernelSet:
     """Base class of a kernel provider. Methods not implemented by a provider raise ``NotImplementedError``.
 
@@ -81,13 +99,19 @@ class KernelSet:
     def check_support(self, stage: str, *args: Any, **kwargs: Any) -> Optional[str]:
         """Reason this provider cannot run ``stage`` on these arguments (kernel shape support), or ``None``.
 
-        Called with exactly the arguments of the stage's method. The default supports every implemented stage;
-        a provider overrides ``support_<stage>(...)`` methods.
+        Called with exactly the arguments of the stage's method (positionally or by name). Not overridden: a
+        provider declines calls in ``support_<stage>(arguments)`` methods, which get the arguments by name
+        (:func:`bind_arguments`); a stage without one is supported whenever it is implemented. The argument
+        contract is not this method's business (the dispatcher checked it already).
         """
         if stage not in self.stages:
             return f"{self.name} has no {stage} kernel"
         hook = getattr(self, f"support_{stage}", None)
-        return hook(*args, **kwargs) if hook is not None else None
+        return hook(bind_arguments(stage, args, kwargs)) if hook is not None else None
+
+    def execute(self, stage: str, arguments: dict[str, Any]) -> Any:
+        """Run ``stage`` on its arguments by name (after :meth:`check_support` accepted them)."""
+        return getattr(self, stage)(**arguments)
 
     # ---- indexer --------------------------------------------------------------------------------------------
     def indexer_forward(self, q: Tensor, k: Tensor, w: Tensor, ratio: int = 4, qhead_per_kv_head: Optional[int] = None,

@@ -1,4 +1,4 @@
-"""Argument contracts of the production kernel wrappers, enforced by every provider.
+"""Argument contracts of the production kernel wrappers, enforced once for every provider by the dispatcher.
 
 Each ``check_<stage>`` raises where the real wrapper raises, with the same exception type and the gist of its
 message (cudnn-frontend 1.32.0 ``cudnn/deepseek_sparse_attention``; FlashMLA ``csrc/api/sparse_fwd.h``, whose
@@ -347,3 +347,48 @@ def check_csa_teacher_lse(query, full_kv, compressed_kv, attn_sink, window_indic
         _require(compressed_kv.ndim == 2, ValueError, "THD compressed_kv must have shape [total_k, dim]")
         _require(cu_seqlens_q.shape == cu_seqlens_k.shape, ValueError,
                  "THD query and compressed-KV cumulative lengths must match")
+
+
+# ---- the dispatcher's entry point ------------------------------------------------------------------------------------
+def _arguments(*names: str):
+    return lambda a: tuple(a[n] for n in names)
+
+
+_THD = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+#: stage -> (its ``check_<stage>`` function, the call's arguments that function takes, in order).
+_CHECKS = {
+    "indexer_forward": (check_indexer_forward, lambda a: (a["q"], a["k"], a["w"], a["ratio"], a["qhead_per_kv_head"],
+                                                          *_arguments(*_THD)(a), a["q_causal_offsets"])),
+    "indexer_top_k": (check_indexer_top_k, _arguments("input_values", "seq_lens", "top_k", "next_n", "tie_break")),
+    "compactify": (check_compactify, _arguments("indices")),
+    "sparse_attn_fwd": (check_sparse_attn_fwd, _arguments("q", "kv", "indices", "d_v", "attn_sink", "topk_length",
+                                                          "indexer_topk")),
+    "sparse_attn_bwd": (check_sparse_attn_bwd, _arguments("q", "kv", "out", "dout", "lse", "attn_sink", "topk_idxs",
+                                                          "topk_length", "q_cluster_mode")),
+    "sparse_attn_score_recompute": (check_sparse_score_recompute, lambda a: (
+        a["q_attn"], a["k_attn"], a["lse"], a["topk_indices"], a["topk_length"], "LSE", a["qhead_per_kv_head"])),
+    "sparse_indexer_score_recompute": (check_sparse_score_recompute, lambda a: (
+        a["q_indexer"], a["k_indexer"], a["weights"], a["topk_indices"], a["topk_length"], "W",
+        a["qhead_per_kv_head"])),
+    "dense_attn_score_recompute": (check_dense_score_recompute, lambda a: (
+        a["q"], a["k"], a["lse"], "LSE", a["qhead_per_kv_head"], a["ratio"], *_arguments(*_THD)(a))),
+    "dense_indexer_score_recompute": (check_dense_score_recompute, lambda a: (
+        a["q"], a["k"], a["weights"], "W", a["qhead_per_kv_head"], a["ratio"], *_arguments(*_THD)(a))),
+    "indexer_backward": (check_indexer_backward, _arguments("index_q", "weights", "index_k", "attn_score",
+                                                            "index_score", "topk_indices", "grad_loss")),
+    "dense_indexer_backward": (check_dense_indexer_backward, _arguments(
+        "index_q", "weights", "index_k", "attn_score", "attn_l1norm", "index_score", "index_lse", "grad_loss",
+        "ratio", *_THD)),
+    "csa_teacher_lse": (check_csa_teacher_lse, _arguments("query", "full_kv", "compressed_kv", "attn_sink",
+                                                          "window_indices", "ratio", "batch_size", "seqlen_q",
+                                                          *_THD)),
+}
+
+
+def check(stage: str, arguments: dict) -> None:
+    """Enforce ``stage``'s argument contract on a call's arguments by name (``fused.kernels.base.bind_arguments``).
+    The dispatcher (``fused.plan.kernels``) calls it once per kernel call, before it chooses a provider, so no
+    provider can skip it."""
+    checker, take = _CHECKS[stage]
+    checker(*take(arguments))

@@ -4,8 +4,8 @@ Stages: indexer forward, radix top-k, compactify, sparse attention backward, spa
 sparse and dense indexer backward (spec ``kernels.md`` §1 rows 1, 3, 3a, 5-11). Not here: the sparse attention
 forward (no sm90 cuDNN kernel; :mod:`.flashmla_provider`) and the Triton teacher LSE (the ``torch`` provider runs it).
 
-Every call first enforces the wrapper's argument contract (:mod:`.contracts`, shared with the ``torch`` provider),
-then applies the padding production applies around the kernel, then calls the wrapper under
+Every call (its argument contract already enforced by the dispatcher, :mod:`.contracts`) applies the padding
+production applies around the kernel, then calls the wrapper under
 ``torch.cuda.device(<input device>)`` (the wrappers pick the sm90 / sm100 kernel from the current device):
 
 * heads: the sm90 sparse-attention backward, the sparse / dense indexer backward and the score recomputes work on
@@ -19,9 +19,10 @@ then applies the padding production applies around the kernel, then calls the wr
   ``topk_length``) to a multiple of 128, the width the FlashMLA forward already pads the same ids to on sm90, so
   every width in a bucket shares one compiled kernel; the extra slots add exact zeros.
 
-Kernel shape support (:meth:`CudnnKernels.check_support`) declines what no wrapper on the running architecture
-accepts — bf16 only, head dims 128 (indexer) / 512 or 576 (attention), empty inputs, sm100-only options — with a
-reason, so a plan falls back to ``torch`` (``auto``) or reports ``unsupported`` (a required provider).
+Kernel shape support (the ``support_<stage>`` methods behind :meth:`~.base.KernelSet.check_support`) declines what
+no wrapper on the running architecture accepts — bf16 only, head dims 128 (indexer) / 512 or 576 (attention),
+empty inputs, sm100-only options — with a reason, so a plan falls back to ``torch`` (``auto``) or reports
+``unsupported`` (a required provider).
 
 Production policy on sm90: Megatron refuses the DSv4 *dense* indexer loss (ratio-4 indexer, dense KL) on SM90
 ("the cuDNN Frontend SM90 dense DSA kernels are not reliable for this path"). The dense score recompute and dense
@@ -38,9 +39,9 @@ from typing import Any, Optional
 
 import torch
 
-from . import compile_cache, contracts
+from . import compile_cache
 from .base import KernelSet, Tensor, TupleDict
-from .device_support import (bind, cuda_unavailable_reason, device_major, dtype_reason, first_reason, into,
+from .device_support import (cuda_unavailable_reason, device_major, dtype_reason, first_reason, into,
                              on_device, pad_dim, placement_reason, round_up)
 
 BF16 = (torch.bfloat16,)
@@ -112,18 +113,13 @@ class CudnnKernels(KernelSet):
         import cudnn  # noqa: PLC0415
         return {"cudnn_frontend": getattr(cudnn, "__version__", None), "cudnn_backend": cudnn.backend_version()}
 
-    def check_support(self, stage: str, *args: Any, **kwargs: Any) -> Optional[str]:
-        if stage not in self.stages:
-            return f"cudnn has no {stage} kernel"
-        return getattr(self, f"_support_{stage}")(bind(stage, self, args, kwargs))
-
     def _dense_refused(self, ratio: int, t: Tensor) -> Optional[str]:
         if ratio > 1 and device_major(t) == 9 and not self.sm90_dense_loss:
             return SM90_DENSE_REFUSAL
         return None
 
     # ---- per-stage kernel shape support (arguments by name, as the stage method receives them) --------------------
-    def _support_indexer_forward(self, a: dict) -> Optional[str]:
+    def support_indexer_forward(self, a: dict) -> Optional[str]:
         q, k, w = a["q"], a["k"], a["w"]
         reason = first_reason(placement_reason(q, k, w, a["cu_seqlens_q"], a["cu_seqlens_k"], a["q_causal_offsets"]),
                               dtype_reason("q", q, BF16), dtype_reason("k", k, BF16),
@@ -138,7 +134,7 @@ class CudnnKernels(KernelSet):
             return f"sm90 indexer forward takes at most {max(SM90_INDEXER_QHPKV)} query heads per KV head"
         return None
 
-    def _support_indexer_top_k(self, a: dict) -> Optional[str]:
+    def support_indexer_top_k(self, a: dict) -> Optional[str]:
         x = a["input_values"]
         reason = first_reason(placement_reason(x, a["seq_lens"]),
                               dtype_reason("input_values", x, (torch.float32, torch.float16, torch.bfloat16)))
@@ -152,11 +148,11 @@ class CudnnKernels(KernelSet):
             return "deterministic top-k has column limits on sm120"
         return None
 
-    def _support_compactify(self, a: dict) -> Optional[str]:
+    def support_compactify(self, a: dict) -> Optional[str]:
         idx = a["indices"]
         return first_reason(placement_reason(idx), None if idx.numel() > 0 else "empty index tensor")
 
-    def _support_sparse_attn_bwd(self, a: dict) -> Optional[str]:
+    def support_sparse_attn_bwd(self, a: dict) -> Optional[str]:
         q, kv = a["q"], a["kv"]
         reason = first_reason(placement_reason(q, kv, a["out"], a["dout"], a["lse"], a["attn_sink"], a["topk_idxs"],
                                                a["topk_length"]),
@@ -183,11 +179,11 @@ class CudnnKernels(KernelSet):
             return "empty query, key or index buffer"
         return None
 
-    def _support_sparse_attn_score_recompute(self, a: dict) -> Optional[str]:
+    def support_sparse_attn_score_recompute(self, a: dict) -> Optional[str]:
         return self._sparse_score_support(a["q_attn"], a["k_attn"], a["lse"], "lse", (torch.float32,),
                                           a["topk_indices"])
 
-    def _support_sparse_indexer_score_recompute(self, a: dict) -> Optional[str]:
+    def support_sparse_indexer_score_recompute(self, a: dict) -> Optional[str]:
         return self._sparse_score_support(a["q_indexer"], a["k_indexer"], a["weights"], "weights", BF16,
                                           a["topk_indices"])
 
@@ -204,13 +200,13 @@ class CudnnKernels(KernelSet):
             return "empty query or key buffer"
         return None
 
-    def _support_dense_attn_score_recompute(self, a: dict) -> Optional[str]:
+    def support_dense_attn_score_recompute(self, a: dict) -> Optional[str]:
         return self._dense_score_support(a, "lse", (torch.float32,))
 
-    def _support_dense_indexer_score_recompute(self, a: dict) -> Optional[str]:
+    def support_dense_indexer_score_recompute(self, a: dict) -> Optional[str]:
         return self._dense_score_support(a, "weights", BF16)
 
-    def _support_indexer_backward(self, a: dict) -> Optional[str]:
+    def support_indexer_backward(self, a: dict) -> Optional[str]:
         q, w, k = a["index_q"], a["weights"], a["index_k"]
         reason = first_reason(placement_reason(q, w, k, a["attn_score"], a["index_score"], a["topk_indices"],
                                                a["grad_loss"]),
@@ -230,7 +226,7 @@ class CudnnKernels(KernelSet):
             return f"block_I must be {INDEXER_BWD_BLOCK_I}"
         return None
 
-    def _support_dense_indexer_backward(self, a: dict) -> Optional[str]:
+    def support_dense_indexer_backward(self, a: dict) -> Optional[str]:
         q, w, k = a["index_q"], a["weights"], a["index_k"]
         reason = first_reason(placement_reason(q, w, k, a["attn_score"], a["index_score"], a["cu_seqlens_q"],
                                                a["cu_seqlens_k"], a["grad_loss"]),
@@ -250,8 +246,6 @@ class CudnnKernels(KernelSet):
     # ================================================================ indexer forward / top-k / compactify ========
     def indexer_forward(self, q, k, w, ratio=4, qhead_per_kv_head=None, sm_scale=1.0, *, cu_seqlens_q=None,
                         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, q_causal_offsets=None):
-        contracts.check_indexer_forward(q, k, w, ratio, qhead_per_kv_head, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                        max_seqlen_k, q_causal_offsets)
         heads = q.shape[-2]
         if device_major(q) == 9 and heads not in SM90_INDEXER_QHPKV:
             if heads > max(SM90_INDEXER_QHPKV):
@@ -272,7 +266,6 @@ class CudnnKernels(KernelSet):
 
     def indexer_top_k(self, input_values, seq_lens, top_k, next_n=1, return_val=True, num_copy_bits=256, stream=None,
                       tie_break=0, deterministic=False):
-        contracts.check_indexer_top_k(input_values, seq_lens, top_k, next_n, tie_break)
         with on_device(input_values):
             res = _dsa().indexer_top_k_wrapper(input_values, seq_lens, top_k, next_n=next_n, return_val=return_val,
                                                num_copy_bits=num_copy_bits, stream=stream, tie_break=tie_break,
@@ -280,7 +273,6 @@ class CudnnKernels(KernelSet):
         return TupleDict(indices=res["indices"], values=res["values"])
 
     def compactify(self, indices, stream=None):
-        contracts.check_compactify(indices)
         with on_device(indices):
             res = _dsa().compactify_wrapper(indices, stream=stream)
         return TupleDict(indices=res["indices"], topk_length=res["topk_length"])
@@ -289,7 +281,6 @@ class CudnnKernels(KernelSet):
     def sparse_attn_bwd(self, q, kv, out, dout, lse, attn_sink, topk_idxs, softmax_scale=None, topk_length=None,
                         dq=None, dkv=None, block_tile=64, deterministic=False, stream=None, workspace=None,
                         q_cluster_mode="off"):
-        contracts.check_sparse_attn_bwd(q, kv, out, dout, lse, attn_sink, topk_idxs, topk_length, q_cluster_mode)
         heads = q.shape[1]
         padded = _padded_heads(heads) if device_major(q) == 9 else heads
         if padded != heads:
@@ -311,7 +302,6 @@ class CudnnKernels(KernelSet):
     # ================================================================ score recompute =============================
     def sparse_attn_score_recompute(self, q_attn, k_attn, lse, topk_indices, softmax_scale, qhead_per_kv_head=None,
                                     topk_length=None, topk_indices_global=False, out=None, stream=None):
-        contracts.check_sparse_score_recompute(q_attn, k_attn, lse, topk_indices, topk_length, "LSE", qhead_per_kv_head)
         heads = q_attn.shape[2]
         padded = _score_heads(heads)
         if padded != heads:  # LSE +inf: exp(q.k - inf) = 0 for every padded head
@@ -325,8 +315,6 @@ class CudnnKernels(KernelSet):
 
     def sparse_indexer_score_recompute(self, q_indexer, k_indexer, weights, topk_indices, qhead_per_kv_head=None,
                                        topk_length=None, topk_indices_global=False, out=None, stream=None):
-        contracts.check_sparse_score_recompute(q_indexer, k_indexer, weights, topk_indices, topk_length, "W",
-                                               qhead_per_kv_head)
         heads = q_indexer.shape[2]
         padded = _score_heads(heads)
         if padded != heads:  # zero weights: relu(0) * 0 = 0
@@ -360,8 +348,6 @@ class CudnnKernels(KernelSet):
     def dense_attn_score_recompute(self, q, k, lse, softmax_scale, qhead_per_kv_head=None, out=None, denom_out=None,
                                    ratio=1, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                                    max_seqlen_k=None, q_causal_offsets=None):
-        contracts.check_dense_score_recompute(q, k, lse, "LSE", qhead_per_kv_head, ratio, cu_seqlens_q, cu_seqlens_k,
-                                              max_seqlen_q, max_seqlen_k)
         thd = self._thd_kwargs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return self._dense("dense_attn_score_recompute_wrapper", q, k, lse, float("inf"), qhead_per_kv_head, out,
                            denom_out, ratio, thd, softmax_scale=softmax_scale)
@@ -369,8 +355,6 @@ class CudnnKernels(KernelSet):
     def dense_indexer_score_recompute(self, q, k, weights, qhead_per_kv_head=None, out=None, denom_out=None,
                                       sm_scale=1.0, ratio=1, *, cu_seqlens_q=None, cu_seqlens_k=None,
                                       max_seqlen_q=None, max_seqlen_k=None, q_causal_offsets=None):
-        contracts.check_dense_score_recompute(q, k, weights, "W", qhead_per_kv_head, ratio, cu_seqlens_q, cu_seqlens_k,
-                                              max_seqlen_q, max_seqlen_k)
         thd = self._thd_kwargs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return self._dense("dense_indexer_score_recompute_wrapper", q, k, weights, 0.0, qhead_per_kv_head, out,
                            denom_out, ratio, thd, sm_scale=sm_scale)
@@ -379,7 +363,6 @@ class CudnnKernels(KernelSet):
     def indexer_backward(self, index_q, weights, index_k, attn_score, index_score, topk_indices, grad_loss,
                          sm_scale=1.0, loss_coeff=1.0, block_I=128, topk_indices_global=False, d_index_q=None,
                          d_weights=None, d_index_k=None, stream=None):
-        contracts.check_indexer_backward(index_q, weights, index_k, attn_score, index_score, topk_indices, grad_loss)
         heads, topk = index_q.shape[2], topk_indices.shape[-1]
         padded_heads, padded_topk = _padded_heads(heads), round_up(topk, block_I)
         q, w = pad_dim(index_q, 2, padded_heads), pad_dim(weights, 2, padded_heads)
@@ -405,9 +388,6 @@ class CudnnKernels(KernelSet):
                                grad_loss, sm_scale=1.0, loss_coeff=1.0, block_I=128, ratio=1, cu_seqlens_q=None,
                                cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, q_causal_offsets=None,
                                d_index_q=None, d_weights=None, d_index_k=None, stream=None, workspace=None):
-        contracts.check_dense_indexer_backward(index_q, weights, index_k, attn_score, attn_l1norm, index_score,
-                                               index_lse, grad_loss, ratio, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                               max_seqlen_k)
         heads = index_q.shape[-2]
         padded = _padded_heads(heads)
         q, w = pad_dim(index_q, -2, padded), pad_dim(weights, -1, padded)  # zero weights: no score contribution

@@ -1,4 +1,4 @@
-"""Shared plumbing of the GPU kernel providers (``cudnn``, ``flashmla``): device checks, argument binding for
+"""Shared plumbing of the GPU kernel providers (``cudnn``, ``flashmla``): device checks for
 ``check_support``, and the zero-cost padding production applies around the kernels.
 
 Padding never changes the result: padded heads get zero queries (and zero indexer weights, an LSE of ``+inf`` or a
@@ -10,13 +10,9 @@ providers stay CUDA-graph capturable.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
-
-from .base import KernelSet
 
 Tensor = torch.Tensor
 
@@ -70,25 +66,6 @@ def dtype_reason(name: str, t: Optional[Tensor], allowed: tuple) -> Optional[str
 
 def first_reason(*reasons: Optional[str]) -> Optional[str]:
     return next((r for r in reasons if r), None)
-
-
-@functools.lru_cache(maxsize=None)
-def _signature(stage: str) -> inspect.Signature:
-    return inspect.signature(getattr(KernelSet, stage))
-
-
-def bind(stage: str, provider: KernelSet, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The stage's arguments by name (defaults applied), exactly as the stage method would receive them."""
-    bound = _signature(stage).bind(provider, *args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    arguments.pop("self", None)
-    return arguments
-
-
-def support_dispatch(provider: KernelSet, stage: str, args: tuple, kwargs: dict,
-                     hook: Callable[[dict], Optional[str]]) -> Optional[str]:
-    return hook(bind(stage, provider, args, kwargs))
 
 
 # ---- padding ------------------------------------------------------------------------------------------------------

@@ -19,9 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import contracts
 from .base import KernelSet
-from .device_support import (bind, cuda_unavailable_reason, device_major, dtype_reason, first_reason, on_device,
+from .device_support import (cuda_unavailable_reason, device_major, dtype_reason, first_reason, on_device,
                              pad_dim, placement_reason, round_up)
 
 HEAD_DIMS_QK = (512, 576)
@@ -75,10 +74,7 @@ class FlashMLAKernels(KernelSet):
         fm = _flash_mla()
         return {"flash_mla": getattr(fm, "__version__", None), "flash_mla_legacy": bool(fm.has_legacy())}
 
-    def check_support(self, stage: str, *args: Any, **kwargs: Any) -> Optional[str]:
-        if stage not in self.stages:
-            return f"flashmla has no {stage} kernel"
-        a = bind(stage, self, args, kwargs)
+    def support_sparse_attn_fwd(self, a: dict) -> Optional[str]:
         q, kv, indices = a["q"], a["kv"], a["indices"]
         reason = first_reason(placement_reason(q, kv, indices, a["attn_sink"], a["topk_length"]),
                               dtype_reason("q", q, (torch.bfloat16,)), dtype_reason("kv", kv, (torch.bfloat16,)),
@@ -98,7 +94,6 @@ class FlashMLAKernels(KernelSet):
         return None
 
     def sparse_attn_fwd(self, q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, indexer_topk=0):
-        contracts.check_sparse_attn_fwd(q, kv, indices, d_v, attn_sink, topk_length, indexer_topk)
         if indexer_topk:
             raise NotImplementedError("sgl-flash-mla has no indexer_topk argument")
         major = device_major(q)

@@ -1,7 +1,7 @@
 """``torch`` provider: a contract-exact PyTorch implementation of every production kernel call (CPU or GPU).
 
-Each method first enforces the wrapper's argument contract (:mod:`fused.kernels.contracts`), then computes what the
-kernel computes, with the kernel's conventions (``+inf`` LSE for empty rows, in-place score-gradient outputs, rows
+Each method (its argument contract already enforced by the dispatcher, :mod:`fused.kernels.contracts`) computes
+what the kernel computes, with the kernel's conventions (``+inf`` LSE for empty rows, in-place score-gradient outputs, rows
 a kernel never writes poisoned with NaN so that a composition that reads them is caught).
 
 Precision: float64 inputs are computed entirely in float64, so that a fused-vs-reference comparison in float64 has
@@ -10,18 +10,17 @@ probabilities, outputs in the input dtype (bf16). One kernel constant guards fp3
 float64 mode: the ``+1e-10`` in the dense score-gradient's target denominator (it would move float64 gradients by
 ``1e-10 / L1``). The ``exp(-100)`` probability clips are kept in every mode (they never bind on finite float64 data).
 
-Kernel shape support: this provider accepts every shape and dtype (float64 / float32 / bfloat16), so its
-``check_support`` always answers ``None``.
+Kernel shape support: this provider accepts every shape and dtype (float64 / float32 / bfloat16), so it
+has no ``support_<stage>`` method: ``check_support`` accepts every call of a stage it implements.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from . import contracts
 from .base import STAGES, KernelSet, Tensor, TupleDict
 
 CLIP_LOG_MIN = -100.0
@@ -97,8 +96,6 @@ class TorchKernels(KernelSet):
     # ================================================================ indexer forward / top-k / compactify ========
     def indexer_forward(self, q, k, w, ratio=4, qhead_per_kv_head=None, sm_scale=1.0, *, cu_seqlens_q=None,
                         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, q_causal_offsets=None):
-        contracts.check_indexer_forward(q, k, w, ratio, qhead_per_kv_head, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                        max_seqlen_k, q_causal_offsets)
         cdt = compute_dtype(q.dtype)
         if cu_seqlens_q is None:
             b, s_q, h = q.shape[:3]
@@ -126,7 +123,6 @@ class TorchKernels(KernelSet):
 
     def indexer_top_k(self, input_values, seq_lens, top_k, next_n=1, return_val=True, num_copy_bits=256, stream=None,
                       tie_break=0, deterministic=False):
-        contracts.check_indexer_top_k(input_values, seq_lens, top_k, next_n, tie_break)
         n_rows, n_cols = input_values.shape
         row = torch.arange(n_rows, device=input_values.device)
         # next_n > 1: speculative-decoding stagger within each group of next_n rows
@@ -149,7 +145,6 @@ class TorchKernels(KernelSet):
         return TupleDict(indices=indices, values=values)
 
     def compactify(self, indices, stream=None):
-        contracts.check_compactify(indices)
         flat = indices.reshape(-1, indices.shape[-1])
         valid = flat >= 0
         order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices
@@ -158,7 +153,6 @@ class TorchKernels(KernelSet):
 
     # ================================================================ sparse attention ============================
     def sparse_attn_fwd(self, q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, indexer_topk=0):
-        contracts.check_sparse_attn_fwd(q, kv, indices, d_v, attn_sink, topk_length, indexer_topk)
         if kv.shape[1] != 1:
             raise NotImplementedError("torch sparse_attn_fwd implements h_kv == 1 (MQA) only")
         cdt = compute_dtype(q.dtype)
@@ -187,7 +181,6 @@ class TorchKernels(KernelSet):
     def sparse_attn_bwd(self, q, kv, out, dout, lse, attn_sink, topk_idxs, softmax_scale=None, topk_length=None,
                         dq=None, dkv=None, block_tile=64, deterministic=False, stream=None, workspace=None,
                         q_cluster_mode="off"):
-        contracts.check_sparse_attn_bwd(q, kv, out, dout, lse, attn_sink, topk_idxs, topk_length, q_cluster_mode)
         cdt = compute_dtype(q.dtype)
         t_q, h, d = q.shape
         scale = softmax_scale if softmax_scale is not None else d ** -0.5
@@ -240,7 +233,6 @@ class TorchKernels(KernelSet):
 
     def sparse_attn_score_recompute(self, q_attn, k_attn, lse, topk_indices, softmax_scale, qhead_per_kv_head=None,
                                     topk_length=None, topk_indices_global=False, out=None, stream=None):
-        contracts.check_sparse_score_recompute(q_attn, k_attn, lse, topk_indices, topk_length, "LSE", qhead_per_kv_head)
         cdt = compute_dtype(q_attn.dtype)
         keys, valid = self._sparse_keys(k_attn, topk_indices, topk_length, topk_indices_global, cdt)
         logits = torch.einsum("bshd,bskd->bshk", q_attn.to(cdt), keys) * softmax_scale
@@ -251,8 +243,6 @@ class TorchKernels(KernelSet):
 
     def sparse_indexer_score_recompute(self, q_indexer, k_indexer, weights, topk_indices, qhead_per_kv_head=None,
                                        topk_length=None, topk_indices_global=False, out=None, stream=None):
-        contracts.check_sparse_score_recompute(q_indexer, k_indexer, weights, topk_indices, topk_length, "W",
-                                               qhead_per_kv_head)
         cdt = compute_dtype(q_indexer.dtype)
         keys, valid = self._sparse_keys(k_indexer, topk_indices, topk_length, topk_indices_global, cdt)
         _, scores = _relu_scores(q_indexer.to(cdt), keys, weights.to(cdt))
@@ -305,8 +295,6 @@ class TorchKernels(KernelSet):
     def dense_attn_score_recompute(self, q, k, lse, softmax_scale, qhead_per_kv_head=None, out=None, denom_out=None,
                                    ratio=1, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                                    max_seqlen_k=None, q_causal_offsets=None):
-        contracts.check_dense_score_recompute(q, k, lse, "LSE", qhead_per_kv_head, ratio, cu_seqlens_q, cu_seqlens_k,
-                                              max_seqlen_q, max_seqlen_k)
         s, d = self._dense(q, k, lse, False, softmax_scale, ratio, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, q_causal_offsets)
         return TupleDict(out=s, denom=d)
@@ -314,8 +302,6 @@ class TorchKernels(KernelSet):
     def dense_indexer_score_recompute(self, q, k, weights, qhead_per_kv_head=None, out=None, denom_out=None,
                                       sm_scale=1.0, ratio=1, *, cu_seqlens_q=None, cu_seqlens_k=None,
                                       max_seqlen_q=None, max_seqlen_k=None, q_causal_offsets=None):
-        contracts.check_dense_score_recompute(q, k, weights, "W", qhead_per_kv_head, ratio, cu_seqlens_q, cu_seqlens_k,
-                                              max_seqlen_q, max_seqlen_k)
         s, d = self._dense(q, k, weights, True, sm_scale, ratio, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, q_causal_offsets)
         return TupleDict(out=s, denom=d)
@@ -338,7 +324,6 @@ class TorchKernels(KernelSet):
     def indexer_backward(self, index_q, weights, index_k, attn_score, index_score, topk_indices, grad_loss,
                          sm_scale=1.0, loss_coeff=1.0, block_I=128, topk_indices_global=False, d_index_q=None,
                          d_weights=None, d_index_k=None, stream=None):
-        contracts.check_indexer_backward(index_q, weights, index_k, attn_score, index_score, topk_indices, grad_loss)
         cdt = compute_dtype(index_q.dtype)
         b, s_q, h, d = index_q.shape
         s_k = index_k.shape[1]
@@ -366,9 +351,6 @@ class TorchKernels(KernelSet):
                                grad_loss, sm_scale=1.0, loss_coeff=1.0, block_I=128, ratio=1, cu_seqlens_q=None,
                                cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, q_causal_offsets=None,
                                d_index_q=None, d_weights=None, d_index_k=None, stream=None, workspace=None):
-        contracts.check_dense_indexer_backward(index_q, weights, index_k, attn_score, attn_l1norm, index_score,
-                                               index_lse, grad_loss, ratio, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                               max_seqlen_k)
         cdt = compute_dtype(index_q.dtype)
         eps = 0.0 if cdt == torch.float64 else DENSE_L1_EPS_FP32
         is_thd = cu_seqlens_q is not None
@@ -430,8 +412,6 @@ class TorchKernels(KernelSet):
     def csa_teacher_lse(self, query, full_kv, compressed_kv, attn_sink, window_indices, softmax_scale, ratio, *,
                         batch_size=None, seqlen_q=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                         max_seqlen_k=None, q_causal_offsets=None):
-        contracts.check_csa_teacher_lse(query, full_kv, compressed_kv, attn_sink, window_indices, ratio, batch_size,
-                                        seqlen_q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         cdt = compute_dtype(query.dtype)
         total_q, h, _ = query.shape
         q = query.to(cdt)
@@ -462,6 +442,3 @@ class TorchKernels(KernelSet):
         full = torch.logsumexp(torch.cat([logits, non_compressed.unsqueeze(-1)], dim=-1), dim=-1)
         return torch.where(computed.unsqueeze(-1), full, torch.full_like(full, float("nan")))  # unwritten rows
 
-    # ================================================================ support =====================================
-    def check_support(self, stage: str, *args: Any, **kwargs: Any) -> Optional[str]:
-        return None if stage in self.stages else f"torch has no {stage} kernel"

@@ -1,6 +1,7 @@
 """Argument contracts: every bad call raises what the production wrapper raises (type and message gist).
 
-Each stage has a valid baseline call (negative control: it is accepted) and a list of single-defect variants.
+Each stage has a valid baseline call (negative control: it is accepted) and a list of single-defect variants, made
+through the dispatcher (``fused.plan.kernels``), which enforces the contract once for every provider.
 Messages follow cudnn-frontend 1.32.0 / FlashMLA ``sparse_fwd.h`` / Megatron ``csa_teacher_lse.py``.
 """
 
@@ -11,6 +12,9 @@ import re
 import pytest
 import torch
 
+from fused import plan as plan_mod
+from fused.kernels import contracts
+from fused.kernels.base import STAGES
 from fused.kernels.torch_provider import TorchKernels
 
 K = TorchKernels()
@@ -105,8 +109,9 @@ BASELINES = {
 }
 
 
-def call(stage: str, args: dict):
-    return getattr(K, stage.replace("_bshd", ""))(**args)
+def call(stage: str, args: dict, provider: str = "torch"):
+    with plan_mod.use_backend(provider):
+        return getattr(plan_mod.kernels, stage.replace("_bshd", ""))(**args)
 
 
 @pytest.mark.parametrize("stage", sorted(BASELINES))
@@ -229,3 +234,60 @@ def test_torch_provider_accepts_tiny_shapes_the_gpu_kernels_reject():
     for stage in K.stages:
         assert K.check_support(stage) is None
     call("indexer_backward", indexer_bwd_args())  # 4 heads < 64, K = 3 not a multiple of block_I = 128
+
+
+class LaxKernels(TorchKernels):
+    """A provider that checks nothing itself and records whether it ran."""
+
+    name = "lax"
+    ran: list = []
+
+    def execute(self, stage, arguments):
+        LaxKernels.ran.append(stage)
+        return super().execute(stage, arguments)
+
+
+class DecliningKernels(TorchKernels):
+    """A provider whose kernel shape support declines every indexer forward."""
+
+    name = "declining"
+
+    def support_indexer_forward(self, arguments):
+        return "declines everything"
+
+
+@pytest.fixture()
+def test_providers(monkeypatch):
+    monkeypatch.setattr(plan_mod, "PROVIDERS", dict(plan_mod.PROVIDERS))
+    for cls in (LaxKernels, DecliningKernels):
+        plan_mod.register_provider(cls.name, cls)
+    LaxKernels.ran.clear()
+    yield
+    for cls in (LaxKernels, DecliningKernels):
+        plan_mod._INSTANCES.pop(cls.name, None)
+
+
+@pytest.mark.parametrize("stage,changes,exc,message", VIOLATIONS[:1] + VIOLATIONS[-1:])
+def test_a_provider_cannot_skip_the_contract(test_providers, stage, changes, exc, message):
+    """The dispatcher checks the contract before it chooses a provider: a provider whose methods check nothing
+    never sees a bad call (negative control: the same provider runs the valid baseline)."""
+    call(stage, BASELINES[stage](), provider="lax")
+    assert LaxKernels.ran == [stage.replace("_bshd", "")]
+    with pytest.raises(exc, match=message):
+        call(stage, _with(stage, **changes), provider="lax")
+    assert LaxKernels.ran == [stage.replace("_bshd", "")]
+
+
+def test_the_contract_is_checked_before_provider_selection(test_providers):
+    """A contract violation is the wrapper's error even where the chosen provider would decline the call; a valid
+    call is declined (negative control)."""
+    stage, changes, exc, message = VIOLATIONS[0]
+    assert stage == "indexer_forward"
+    with pytest.raises(plan_mod.StageUnsupported, match="declines everything"):
+        call(stage, BASELINES[stage](), provider="declining")
+    with pytest.raises(exc, match=message):
+        call(stage, _with(stage, **changes), provider="declining")
+
+
+def test_every_stage_has_a_contract_check():
+    assert set(contracts._CHECKS) == set(STAGES)

@@ -22,10 +22,8 @@ class CountingKernels(TorchKernels):
     name = "counting"
     calls: dict = {}
 
-    def check_support(self, stage, *args, **kwargs):
-        if stage == "sparse_attn_fwd" and args and args[0].shape[1] > 2:
-            return "this test provider only takes 2 heads"
-        return super().check_support(stage, *args, **kwargs)
+    def support_sparse_attn_fwd(self, arguments):
+        return "this test provider only takes 2 heads" if arguments["q"].shape[1] > 2 else None
 
     def __getattribute__(self, item):
         if item in TorchKernels.stages:
@@ -73,6 +71,36 @@ def test_record_of_the_dense_loss_and_of_path_a_and_c():
     with fused.use_backend("torch") as path_c:
         forward_backward(bshd_case(4, 1, 13, training=False))
     assert "indexer_backward" not in path_c.record and "compactify" in path_c.record
+
+
+def test_observers_see_every_kernel_call_with_its_provider_and_nest():
+    """``observe_kernels``: every call runs inside each open observer (outer entered first, exited last), the
+    record and the observations agree; after the block nothing is observed (negative control)."""
+    import contextlib
+
+    seen = []
+
+    def observer(tag):
+        @contextlib.contextmanager
+        def observe(stage, provider):
+            seen.append(("enter", tag, stage, provider))
+            yield
+            seen.append(("exit", tag, stage, provider))
+        return observe
+
+    case = bshd_case(4, 2, 13)
+    with fused.observe_kernels(observer("outer")), fused.observe_kernels(observer("inner")):
+        with fused.use_backend("torch") as plan:
+            forward_backward(case)
+    assert plan_mod._OBSERVERS == []
+    assert {(stage, provider) for _e, _t, stage, provider in seen} == set(plan.record.items())
+    first = seen[:4]
+    assert [(e, t) for e, t, _s, _p in first] == [("enter", "outer"), ("enter", "inner"), ("exit", "inner"),
+                                                  ("exit", "outer")]
+    count = len(seen)
+    with fused.use_backend("torch"):
+        forward_backward(case)
+    assert len(seen) == count
 
 
 def test_required_provider_that_is_unavailable_raises_a_clear_error():

@@ -8,6 +8,7 @@ import torch
 import fused
 from cases.tensors import materialize
 from fused.kernels.torch_provider import TorchKernels
+from fused.plan import kernels
 
 from .helpers import bshd_case, rel_err, run, thd_case
 
@@ -89,8 +90,9 @@ def _dense_backward(args, round_to_bf16=None):
     args = [a.clone() for a in args]
     if round_to_bf16 is not None:
         args[round_to_bf16] = args[round_to_bf16].bfloat16().float()
-    return K.dense_indexer_backward(*args, torch.ones((), dtype=torch.float32), sm_scale=0.2, loss_coeff=0.5,
-                                    ratio=4)
+    with fused.use_backend("torch"):  # through the dispatcher, which enforces the kernel contract
+        return kernels.dense_indexer_backward(*args, torch.ones((), dtype=torch.float32), sm_scale=0.2,
+                                              loss_coeff=0.5, ratio=4)
 
 
 def test_dense_indexer_backward_keeps_target_l1_scores_and_lse_in_fp32():

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from reports.baselines import BASELINES_ROOT, load_baseline
-from reports.schema import CSV_COLUMNS, OUTCOMES
+from cases.vocabulary import OUTCOMES
+from reports.schema import CSV_COLUMNS
 
 H200 = BASELINES_ROOT / "h200"
 ENV_KEYS = ("gpu", "driver", "torch", "cuda", "cudnn", "cudnn_frontend", "flash_mla")

@@ -153,7 +153,7 @@ def test_composition_ranges_give_sites_without_python_frames():
     import fused
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.breakdown import CompositionRanges, ProviderRanges
+    from bench.breakdown import CompositionRanges, provider_ranges
     from bench.workloads import Workload, forward_backward, make_tensors
     from parity.impls import load
 
@@ -166,7 +166,7 @@ def test_composition_ranges_give_sites_without_python_frames():
     original = core_module.compress_sbhd, compressor_module._pool, fused.core_attention
 
     def sites(ranges: bool) -> set:
-        with ProviderRanges():
+        with provider_ranges():
             with (CompositionRanges() if ranges else contextlib.nullcontext()):
                 with profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
                     step()

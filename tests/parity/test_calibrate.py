@@ -2,7 +2,7 @@
 
 import json
 
-from parity import results as R
+from parity import results
 from parity.calibrate import measure
 from cli.main import main
 from parity.policy import POLICY_PATH, load
@@ -11,13 +11,13 @@ from tests.parity.helpers import pick
 
 
 def _write(path, cases_and_values):
-    with R.ResultsWriter(path) as w:
+    with results.ResultsWriter(path) as w:
         w.write([{"type": "run", "run_id": "r1", "suite": "smoke", "impl": "fused", "provider": "auto"}])
         for case, outcome, ratio in cases_and_values:
             t = TensorResult("out", "out", case.dtype, [1], "pass", "noise_floor",
                              metrics=[MetricRow("noise_floor_ratio", ratio, 3.0, ratio <= 3),
                                       MetricRow("cosine", 1 - ratio * 1e-6, 0.999, True)])
-            w.write(R.CaseResult(case=case, outcome=outcome, decided_by="noise_floor", tensors=[t],
+            w.write(results.CaseResult(case=case, outcome=outcome, decided_by="noise_floor", tensors=[t],
                                  plan={"sparse_attn_fwd": "torch"}).rows())
 
 

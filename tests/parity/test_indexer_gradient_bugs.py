@@ -20,7 +20,7 @@ from cases.tensors import materialize
 from parity import engine, sign_split
 from parity.engine import RunOptions, run_case
 from parity.impls import load
-from parity.snapshot import run
+from parity.snapshot import take_snapshot
 
 from .indexer_bugs import BUGS, kill_margin, reaches
 
@@ -108,12 +108,13 @@ def test_wrong_pattern_moves_the_truth():
     products (counted as ``rejected``) and moves them at most a little."""
     case = fast_cases()[0]
     tensors = materialize(case, "cpu")
-    plain = run(reference, case, tensors, upcast=True)
+    plain = take_snapshot(reference, case, tensors, upcast=True)
     wrong = sign_split.observe(load("fused").api, case, tensors, load("fused").context("torch")).clone().fill_(True)
-    loose = run(reference, case, tensors, upcast=True, context=lambda: reference.use_activation_pattern(wrong, 1e30))
+    loose = take_snapshot(reference, case, tensors, upcast=True,
+                          context=lambda: reference.use_activation_pattern(wrong, 1e30))
     window = sign_split.window(case, sign_split.Settings())
-    strict = run(reference, case, tensors, upcast=True,
-                 context=lambda: reference.use_activation_pattern(wrong, window))
+    strict = take_snapshot(reference, case, tensors, upcast=True,
+                           context=lambda: reference.use_activation_pattern(wrong, window))
     name = "grad/core_attention.indexer.linear_wq_b.weight"
     moved = float((loose[name] - plain[name]).norm() / plain[name].norm())
     kept = float((strict[name] - plain[name]).norm() / plain[name].norm())

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from parity import metrics as M
+from parity import metrics
 
 
 def t(*values):
@@ -14,67 +14,67 @@ def t(*values):
 
 def test_basic_errors():
     a, r = t(1.0, 2.0, 3.5), t(1.0, 2.0, 3.0)
-    assert M.max_abs(a, r) == 0.5
-    assert M.rmse(a, r) == pytest.approx(0.5 / math.sqrt(3))
-    assert M.rel_l2(a, r) == pytest.approx(0.5 / math.sqrt(14))
-    assert M.max_rel(a, r) == pytest.approx(0.5 / 3.0)
-    assert M.max_abs(r, r) == 0 and M.rel_l2(r, r) == 0
+    assert metrics.max_abs(a, r) == 0.5
+    assert metrics.rmse(a, r) == pytest.approx(0.5 / math.sqrt(3))
+    assert metrics.rel_l2(a, r) == pytest.approx(0.5 / math.sqrt(14))
+    assert metrics.max_rel(a, r) == pytest.approx(0.5 / 3.0)
+    assert metrics.max_abs(r, r) == 0 and metrics.rel_l2(r, r) == 0
 
 
 def test_max_rel_ignores_near_zero_reference_elements():
     r = t(1.0, 1e-9)
     a = t(1.0, 2e-9)  # 100% off on an element a billion times smaller than the tensor
-    assert M.max_rel(a, r) == 0.0
-    assert M.max_rel(t(1.1, 1e-9), r) == pytest.approx(0.1)  # negative control
+    assert metrics.max_rel(a, r) == 0.0
+    assert metrics.max_rel(t(1.1, 1e-9), r) == pytest.approx(0.1)  # negative control
 
 
 def test_similarities_zero_and_scale():
     z = torch.zeros(4, dtype=torch.float64)
     x = t(1.0, -2.0, 3.0, 0.5)
-    assert M.cosine(z, z) == 1.0 and M.tensor_sim(z, z) == 1.0
-    assert M.cosine(z, x) == 0.0  # an all-zero gradient never looks similar
-    assert M.cosine(2 * x, x) == pytest.approx(1.0)  # cosine is scale-blind ...
-    assert M.tensor_sim(2 * x, x) == pytest.approx(0.8)  # ... tensor-sim is not
+    assert metrics.cosine(z, z) == 1.0 and metrics.tensor_sim(z, z) == 1.0
+    assert metrics.cosine(z, x) == 0.0  # an all-zero gradient never looks similar
+    assert metrics.cosine(2 * x, x) == pytest.approx(1.0)  # cosine is scale-blind ...
+    assert metrics.tensor_sim(2 * x, x) == pytest.approx(0.8)  # ... tensor-sim is not
 
 
 def test_scale_error_is_first_order_in_a_bias():
     x = torch.randn(10_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    assert M.scale_error(1.01 * x, x) == pytest.approx(0.01)
+    assert metrics.scale_error(1.01 * x, x) == pytest.approx(0.01)
     noise = 1e-2 * torch.randn(10_000, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * x
-    assert M.scale_error(x + noise, x) < 1e-3  # unbiased noise of the same size barely moves the norm
+    assert metrics.scale_error(x + noise, x) < 1e-3  # unbiased noise of the same size barely moves the norm
 
 
 def test_ulp_matches_nextafter():
     x = torch.tensor([1.0, 3.0, 1000.0, 1e-3], dtype=torch.bfloat16)
     expected = torch.nextafter(x, torch.full_like(x, 1e9)).double() - x.double()
-    assert torch.equal(M.ulp(x.double(), torch.bfloat16), expected)
+    assert torch.equal(metrics.ulp(x.double(), torch.bfloat16), expected)
 
 
 def test_noise_floor_ratio_tensor_wide_and_per_element():
     r = t(100.0, 1.0)
     p = t(100.0, 1.0 + 1e-3)  # the same-dtype reference is off by 1e-3
     a = t(100.0, 1.0 + 3e-3)
-    ratio, floor = M.noise_floor_ratio(a, r, p, torch.float64, ulps=0)
+    ratio, floor = metrics.noise_floor_ratio(a, r, p, torch.float64, ulps=0)
     assert ratio == pytest.approx(3.0) and floor == pytest.approx(1e-3)
     # the ULP floor scales with the largest element: 2 ulps of bf16 at 100 ≈ 1.56
-    ratio, _ = M.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=2)
+    ratio, _ = metrics.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=2)
     assert ratio == pytest.approx(3e-3 / (2 * 2 ** -7 * 100))
     # per element, each element gets its own ULP allowance: a 3e-3 error on 1.0 is 0.4 bf16 ulp
-    ratio, _ = M.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=0, per_element=True, scalar_ulps=1)
+    ratio, _ = metrics.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=0, per_element=True, scalar_ulps=1)
     assert ratio == pytest.approx(3e-3 / 2 ** -7)
     # ... on top of the tensor-wide floor, so the per-element rule is never the stricter one
-    wide, _ = M.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=2)
-    both, _ = M.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=2, per_element=True, scalar_ulps=1)
+    wide, _ = metrics.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=2)
+    both, _ = metrics.noise_floor_ratio(a, r, r, torch.bfloat16, ulps=2, per_element=True, scalar_ulps=1)
     assert both <= wide
 
 
 def test_noise_floor_ratio_zero_floor_and_atol():
     r = t(0.0, 0.0)
-    assert M.noise_floor_ratio(r, r, r, torch.float64, ulps=2)[0] == 0.0
-    assert M.noise_floor_ratio(t(0.0, 1e-300), r, r, torch.float64, ulps=2)[0] == math.inf
+    assert metrics.noise_floor_ratio(r, r, r, torch.float64, ulps=2)[0] == 0.0
+    assert metrics.noise_floor_ratio(t(0.0, 1e-300), r, r, torch.float64, ulps=2)[0] == math.inf
     # an all-zero reference: the atol absorbs underflow noise, not a real error
-    assert M.noise_floor_ratio(t(0.0, 4e-46), r, r, torch.float64, ulps=2, atol=1e-30)[0] < 1e-15
-    assert M.noise_floor_ratio(t(0.0, 1e-3), r, r, torch.float64, ulps=2, atol=1e-30)[0] > 1e20
+    assert metrics.noise_floor_ratio(t(0.0, 4e-46), r, r, torch.float64, ulps=2, atol=1e-30)[0] < 1e-15
+    assert metrics.noise_floor_ratio(t(0.0, 1e-3), r, r, torch.float64, ulps=2, atol=1e-30)[0] > 1e20
 
 
 def test_compute_reports_every_metric():
@@ -82,7 +82,7 @@ def test_compute_reports_every_metric():
     r = torch.randn(256, dtype=torch.float64, generator=g)
     p = r + 1e-3 * torch.randn(256, dtype=torch.float64, generator=g)
     a = r + 1e-3 * torch.randn(256, dtype=torch.float64, generator=g)
-    out = M.compute(a, r, p, torch.bfloat16, ulps=2)
+    out = metrics.compute(a, r, p, torch.bfloat16, ulps=2)
     for key in ("max_abs", "max_rel", "rmse", "rel_l2", "cosine", "tensor_sim", "frac_outside",
                 "noise_floor_ratio", "ref_error", "ulp_floor", "rmse_ratio", "scale_ratio", "ref_cosine"):
         assert math.isfinite(out[key]), key

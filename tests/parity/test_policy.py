@@ -5,12 +5,12 @@ import json
 import pytest
 
 from cases.errors import CaseError
-from parity import policy as P
+from parity import policy
 
 
 def test_every_class_and_dtype_has_an_entry_with_its_measured_worst_case():
-    pol = P.load()
-    for cls in P.TENSOR_CLASSES:
+    pol = policy.load()
+    for cls in policy.TENSOR_CLASSES:
         for dtype in ("float64", "float32", "bfloat16"):
             tol = pol.tolerance(cls, dtype, "torch")
             assert tol.noise_floor_ratio > 0 and tol.ulps >= 0
@@ -18,12 +18,12 @@ def test_every_class_and_dtype_has_an_entry_with_its_measured_worst_case():
 
 
 def test_provider_falls_back_to_star_and_specific_entries_win(tmp_path):
-    data = json.loads(P.POLICY_PATH.read_text())
+    data = json.loads(policy.POLICY_PATH.read_text())
     entry = dict(data["classes"]["out"]["bfloat16"]["*"], noise_floor_ratio=9.0)
     data["classes"]["out"]["bfloat16"]["cudnn"] = entry
     path = tmp_path / "policy.json"
     path.write_text(json.dumps(data))
-    pol = P.load(path)
+    pol = policy.load(path)
     assert pol.tolerance("out", "bfloat16", "cudnn").noise_floor_ratio == 9.0
     assert pol.tolerance("out", "bfloat16", "torch").noise_floor_ratio != 9.0
     assert pol.tolerance("out", "bfloat16", "cudnn").source == "out/bfloat16/cudnn"
@@ -37,12 +37,12 @@ def test_provider_falls_back_to_star_and_specific_entries_win(tmp_path):
     (lambda d: d["classes"].pop("topk"), "policy.classes.topk"),
 ])
 def test_malformed_policy_names_the_field(tmp_path, mutate, field):
-    data = json.loads(P.POLICY_PATH.read_text())
+    data = json.loads(policy.POLICY_PATH.read_text())
     mutate(data)
     path = tmp_path / "policy.json"
     path.write_text(json.dumps(data))
     with pytest.raises(CaseError) as err:
-        P.load(path)
+        policy.load(path)
     assert err.value.field == field
 
 
@@ -50,6 +50,6 @@ def test_unreadable_policy(tmp_path):
     bad = tmp_path / "p.json"
     bad.write_text("{not json")
     with pytest.raises(CaseError, match="not valid JSON"):
-        P.load(bad)
+        policy.load(bad)
     with pytest.raises(CaseError, match="not found"):
-        P.load(tmp_path / "missing.json")
+        policy.load(tmp_path / "missing.json")

@@ -3,7 +3,7 @@
 import json
 import xml.etree.ElementTree as ET
 
-from parity import results as R
+from parity import results
 from parity.junit import write_junit
 from parity.verdict import MetricRow, TensorResult
 from tests.parity.helpers import pick
@@ -18,7 +18,7 @@ def _result(case, outcome="pass", value=0.5):
     t = TensorResult("out", "out", "float32", [2, 3], "pass" if outcome == "pass" else "fail", "noise_floor",
                      metrics=[MetricRow("noise_floor_ratio", value, 3.0, value <= 3.0), MetricRow("max_abs", 1e-7),
                               MetricRow("scale_ratio", float("inf"), 3.0, False), MetricRow("x", float("nan"))])
-    return R.CaseResult(case=case, outcome=outcome, decided_by="noise_floor", repro=case.repro, tensors=[t],
+    return results.CaseResult(case=case, outcome=outcome, decided_by="noise_floor", repro=case.repro, tensors=[t],
                         message="" if outcome == "pass" else "out: too far",
                         first_failure=None if outcome == "pass" else {"tensor": "out", "rule": "noise_floor",
                                                                        "message": "out: too far"})
@@ -30,12 +30,12 @@ def test_rows_follow_the_schema_and_are_strict_json():
     assert [r["type"] for r in rows] == ["case", "tensor"] + ["metric"] * 4
     assert set(rows[0]) == CASE_FIELDS and set(rows[1]) == TENSOR_FIELDS
     assert all(set(r) == METRIC_FIELDS for r in rows[2:])
-    text = "\n".join(R.dumps(r) for r in rows)
+    text = "\n".join(results.dumps(r) for r in rows)
     assert "Infinity" not in text and "NaN" not in text
     metrics = {r["metric"]: r for r in rows[2:]}
-    assert metrics["scale_ratio"]["value"] == R.FLOAT_MAX and metrics["x"]["value"] is None
+    assert metrics["scale_ratio"]["value"] == results.FLOAT_MAX and metrics["x"]["value"] is None
     assert metrics["max_abs"]["threshold"] is None and metrics["max_abs"]["passed"] is None
-    back = R.CaseResult.from_rows(json.loads(json.dumps(rows)))
+    back = results.CaseResult.from_rows(json.loads(json.dumps(rows)))
     assert back.case == case and back.tensors[0].metrics[0].value == 0.5
 
 
@@ -44,26 +44,26 @@ def test_resume_drops_torn_and_orphan_rows_and_the_end_row(tmp_path):
     b = pick(dtype="float64", layout="bshd", ratio="0")
     c = pick(dtype="bfloat16", layout="bshd", ratio="0")
     path = tmp_path / "results.jsonl"
-    with R.ResultsWriter(path) as w:
+    with results.ResultsWriter(path) as w:
         w.write([{"type": "run", "run_id": "r1"}])
         w.write(_result(a).rows())
         w.write(_result(b, "fail").rows())
         w.write([{"type": "end", "counts": {}, "duration_s": 1.0}])
     orphan = [r for r in _result(c).rows() if r["type"] != "case"]  # a case killed mid-write
     with open(path, "a") as fh:
-        fh.write("".join(R.dumps(r) + "\n" for r in orphan) + '{"type": "metric", "case_id"')
-    existing = R.read_for_resume(path)
+        fh.write("".join(results.dumps(r) + "\n" for r in orphan) + '{"type": "metric", "case_id"')
+    existing = results.read_for_resume(path)
     assert existing.run_row["run_id"] == "r1"
     assert existing.outcomes == {a.id: "pass", b.id: "fail"}
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["type"] for r in kept].count("end") == 0
     assert all(r.get("case_id") != c.id for r in kept)
-    assert R.read_for_resume(tmp_path / "none.jsonl").outcomes == {}
+    assert results.read_for_resume(tmp_path / "none.jsonl").outcomes == {}
 
 
 def test_summary_line():
-    counts = R.counts(["pass", "pass", "fail", "error", "unsupported", "pass"])
-    assert R.summary_line(counts) == "6 cases: 3 passed, 1 failed, 1 errors, 1 unsupported"
+    counts = results.counts(["pass", "pass", "fail", "error", "unsupported", "pass"])
+    assert results.summary_line(counts) == "6 cases: 3 passed, 1 failed, 1 errors, 1 unsupported"
 
 
 def test_junit_marks_failures_errors_and_skips_with_the_repro(tmp_path):
@@ -71,8 +71,9 @@ def test_junit_marks_failures_errors_and_skips_with_the_repro(tmp_path):
     b = pick(dtype="float64", layout="bshd", ratio="0")
     c = pick(dtype="bfloat16", layout="bshd", ratio="0")
     path = tmp_path / "results.jsonl"
-    err = R.CaseResult(case=c, outcome="error", decided_by="error", message="boom", repro="dsv4-parity run --case X")
-    with R.ResultsWriter(path) as w:
+    err = results.CaseResult(case=c, outcome="error", decided_by="error", message="boom",
+                             repro="dsv4-parity run --case X")
+    with results.ResultsWriter(path) as w:
         w.write([{"type": "run", "run_id": "r1", "suite": "smoke", "impl": "fused"}])
         for res in (_result(a), _result(b, "fail"), err):
             w.write(res.rows())

@@ -121,18 +121,18 @@ CUDA_RUNTIME_OOM = (
 
 
 def _engine_row(monkeypatch, exc):
-    """The case row that ``parity.runner.execute`` (what a worker child runs) writes when the implementation's run
+    """The case row that ``parity.execution.execute`` (what a worker child runs) writes when the implementation's run
     raises ``exc``: the real engine path, on CPU."""
     from dataclasses import asdict
 
     from parity import engine
-    from parity.runner import execute
+    from parity.execution import execute
     from tests.parity.helpers import pick
 
     def raising(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr(engine, "run", raising)
+    monkeypatch.setattr(engine, "take_snapshot", raising)
     case = pick("smoke")
     return execute({"case": case.to_dict(), "options": asdict(engine.RunOptions(device="cpu")), "oracle": None})[0]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from reports.synthetic import synthetic_rows, write_jsonl, write_synthetic_run
+from tests.reports.synthetic import synthetic_rows, write_jsonl, write_synthetic_run
 
 N_CASES = 40
 PLANTED = {"grad_param": 3.0}

@@ -12,7 +12,7 @@ from reports.errors import ReportError
 from reports.load import load_run
 from reports.mutants import load_mutants
 from reports.summary import class_summary, offenders
-from reports.synthetic import main as synthetic_main, synthetic_rows
+from tests.reports.synthetic import main as synthetic_main, synthetic_rows
 from reports.table import metrics_table
 from reports.terminal import render_terminal
 

@@ -1,4 +1,4 @@
-"""Synthetic ``results.jsonl`` streams (and ``mutants.jsonl``) for the report tests and the render benchmark.
+"""Synthetic ``results.jsonl`` streams (and ``mutants.jsonl``) for the report tests (a test fixture, not a view).
 
 The rows follow the schema of ``ARCHITECTURE.md`` and look like a real layer-scope parity run: case JSON objects in
 :class:`cases.Case` form (built here as plain dicts so the report layer stays free of torch), the tensors a case of
@@ -10,7 +10,7 @@ metric (``max_abs``, ``max_rel``, ``rmse``, ``rel_l2``, ``noise_floor_ratio``) o
 by 3 while the reference's own ``ref_error`` stays put. The thresholds are wide enough that a 3x growth still passes
 its absolute tolerance: only the drift gate can see it.
 
-    python -m reports.synthetic OUT_DIR --cases 1000 [--scale grad_param=3] [--mutants]
+    python -m tests.reports.synthetic OUT_DIR --cases 1000 [--scale grad_param=3] [--mutants]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from .schema import DTYPE_EPS
+from reports.schema import DTYPE_EPS
 
 #: A few production parameter names per ratio (spec §1.2) — enough to give grad_param a realistic spread.
 LAYER_PARAMS = ("linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight",
@@ -238,7 +238,7 @@ def write_synthetic_run(directory: str | Path, n_cases: int = 40, *, mutants: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reports.synthetic", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.reports.synthetic", description=__doc__.splitlines()[0])
     parser.add_argument("out", help="run directory to write")
     parser.add_argument("--cases", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)

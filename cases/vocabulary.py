@@ -1,0 +1,21 @@
+"""The vocabulary every layer shares: the outcomes of a case, the tensor classes, the "unsupported" exception.
+
+Defined here once (``cases/`` is the ground floor: the implementations, the engine and the reports all import it).
+"""
+
+from __future__ import annotations
+
+#: A case's outcome (``results.jsonl`` field ``outcome``): ``pass`` / ``fail`` (numeric or structural) / ``error``
+#: (an exception, a crashed worker) / ``unsupported`` (the implementation declined the case, or it needs a GPU).
+OUTCOMES = ("pass", "fail", "error", "unsupported")
+
+#: Tensor classes (``results.jsonl`` field ``tensor_class``), in report order. ``grad_indexer``: the gradients of
+#: ``core_attention.indexer.*``, trained only by the KL loss.
+TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer")
+
+
+class Unsupported(Exception):
+    """An implementation declines a case: an architecture or kernel limit, or a provider that cannot run here.
+
+    The engine reports the case as ``unsupported`` (not ``error``). Implementations raise a subclass (fused's
+    ``StageUnsupported`` and ``BackendUnavailable``); ``NotImplementedError`` is read the same way."""
