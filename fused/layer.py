@@ -55,5 +55,15 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
     o = o.reshape(o.shape[:-2] + (groups, n * d // groups))
     w_group = params["linear_o_group_proj"].view(groups, rank, n * d // groups).to(o.dtype)
     o = torch.einsum("...gd,grd->...gr", o, w_group).reshape(o.shape[:-2] + (groups * rank,))
-    y = ops.linear(o, params["linear_proj.weight"])
+    y = padding_rows_pass_no_gradient(ops.linear(o, params["linear_proj.weight"]), thd)
     return public_output(res, y if packed else y.transpose(0, 1), q, thd)
+
+
+def padding_rows_pass_no_gradient(y: Tensor, thd: Optional[ThdMeta]) -> Tensor:
+    """The layer output ``y [T, Hd]`` with THD padding rows (alignment padding, dummy tail, slack) detached: they
+    keep their forward values, but an output gradient on them reaches no weight (``linear_proj``,
+    ``linear_o_group_proj``) and no input. A ``where`` on the device mask, no host branch (CUDA-graph safe). BSHD
+    has no padding rows: ``y`` as is."""
+    if thd is None:
+        return y
+    return torch.where(thd.padding_rows().unsqueeze(-1), y.detach(), y)

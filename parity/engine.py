@@ -8,7 +8,12 @@ For a case of dtype ``d`` (all runs on the same device, from the same materialis
 3. ``noise`` — the reference in ``d`` with the same top-k: its distance to ``truth`` is the noise floor. For a
    float64 case it *is* ``truth`` (the floor is then the policy's few ULPs).
 
-The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`).
+The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`), and, on
+exactly tied rows, by the implementation's declared tie rule (:meth:`Implementation.tie_rule`).
+
+When ``dO`` is non-zero on some THD padding row (core scope, ``padding_dout="poison"`` cases), the implementation
+runs a second time with it zeroed there: the two runs must be bit-identical (tensor ``contract/padding_dout``, rule
+``contract``, :mod:`parity.padding_dout`).
 
 Outcomes: ``pass`` / ``fail`` (numeric or structural), ``error`` (an exception, e.g. a CUDA fault, or a crashed
 worker), ``unsupported`` (the implementation declined the case: ``NotImplementedError`` or an ``*Unsupported*``
@@ -29,6 +34,7 @@ import torch
 from cases.case import Case
 from cases.tensors import materialize
 
+from . import padding_dout
 from . import policy as policy_mod
 from . import structure, verdict
 from .impls import Implementation, is_unsupported, policy_provider
@@ -152,6 +158,11 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
         stage = f"{impl.name} run"
         with clock("impl"):
             impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
+            contract_snap = None
+            if padding_dout.padding_dout_nonzero(tensors):
+                stage = f"{impl.name} run with dO zeroed on padding rows"
+                contract_snap = run(impl.api, case, padding_dout.without_padding_dout(tensors),
+                                    context=impl.context(provider, options.require))
         result.plan = impl_snap.record or {}
         stage = f"{against.name} runs"
         with clock("reference"):
@@ -168,6 +179,9 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             case_problems = problems.pop("*", [])
             tensors_out, report = verdict.judge_case_tensors(case, tensors, impl_snap, truth, noise, problems,
                                                              policy, policy_provider(impl_snap.record, provider))
+            if contract_snap is not None:
+                diffs = padding_dout.differences(impl_snap, contract_snap, tensors.real_rows.cpu())
+                tensors_out.append(verdict.contract_tensor(diffs))
             outcome, decided_by, first, message = verdict.case_decision(tensors_out, case_problems)
     except Exception as exc:  # noqa: BLE001 — a comparison crash is the harness's error, reported as such
         return finish("error", "error", f"comparison: {one_line(exc)} [{_where(exc)}]")

@@ -1,4 +1,5 @@
-"""``dsv4-parity mutants``: the mutation suite — every planted bug of :mod:`fused.mutants` must fail the parity suite.
+"""``dsv4-parity mutants``: the mutation suite — every planted bug must fail the parity suite: the switches of
+:mod:`fused.mutants` and the seam mutants of :mod:`parity.seams` (a named function of ``fused`` replaced from outside).
 
 For a suite (default ``smoke``), fused with the ``torch`` provider against the reference, in-process:
 
@@ -21,6 +22,7 @@ cases that do executed the point. Exit 0 iff the clean run passed and every muta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -84,6 +86,13 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
     "indexer_grad_leaks": ("loss=sparse", "loss=dense"),
     # 15. the sparse KL over the full top-k width, -1 slots included
     "kl_full_width_nan": ("loss=sparse",),
+    # seams (parity.seams): 16. layer padding-row dO reaching the output projections (needs a non-zero padding dO)
+    "layer_padding_dout_leaks": ("scope=layer padding_dout=poison",),
+    # 17. top-k tie-break flipped to the higher index (exact ties: ReLU scores of 0 in float64)
+    "topk_tie_to_higher_index": ("ratio=4 dense_mode=false topk_saturated=true dtype=float64",
+                                 "ratio=4 dense_mode=false topk_saturated=true"),
+    # 18. public indexer() scores without sigma_I
+    "indexer_api_no_sigma": ("ratio=4 dense_mode=false",),
 }
 
 
@@ -117,6 +126,44 @@ class MutantOutcome:
 
 
 # ---- catalogue ----------------------------------------------------------------------------------------------------
+def registered() -> dict[str, str]:
+    """name → description of every mutant: the switches of ``fused.mutants``, then the seams of ``parity.seams``."""
+    from fused import mutants
+
+    from . import seams
+
+    return {**mutants.registered(), **seams.registered()}
+
+
+@contextlib.contextmanager
+def activated(name: str):
+    """Mutant ``name`` on for the block (a switch or a seam); its *reached* marks cleared on entry."""
+    from fused import mutants
+
+    from . import seams
+
+    clear_reached()
+    with (seams.activate(name) if name in seams.SEAMS else mutants.activate(name)):
+        yield
+
+
+def reached() -> frozenset[str]:
+    from fused import mutants
+
+    from . import seams
+
+    return mutants.reached() | seams.reached()
+
+
+def clear_reached() -> None:
+    from fused import mutants
+
+    from . import seams
+
+    mutants.clear_reached()
+    seams.clear_reached()
+
+
 def reach_cells(name: str) -> list[Optional[Cell]]:
     """Parsed reach cells of mutant ``name`` (``None`` = any case); unknown mutants reach any case."""
     return [parse_cell(text) if text else None for text in CATALOGUE.get(name, ANY)]
@@ -130,7 +177,8 @@ def catalogue_problems(registered: Sequence[str]) -> list[str]:
     """Registered mutants without declared cells, and declared names nobody registered."""
     out = [f"mutant {n!r} has no reach cells in parity.mutants_cmd.CATALOGUE (treated as reachable by any case)"
            for n in registered if n not in CATALOGUE]
-    out += [f"CATALOGUE names {n!r}, which fused.mutants does not register" for n in CATALOGUE if n not in registered]
+    out += [f"CATALOGUE names {n!r}, which neither fused.mutants nor parity.seams registers" for n in CATALOGUE
+            if n not in registered]
     return out
 
 
@@ -153,9 +201,7 @@ def run_mutant(name: str, cases: Sequence[Case], clean: dict, run_one: Callable[
                keep_going: bool = False) -> MutantOutcome:
     """Run ``cases`` (those of the selection passing clean, ``clean[id] = (outcome, duration)``) with mutant ``name``
     active, cheapest reaching case first, until one fails (all of them with ``keep_going``)."""
-    from fused import mutants
-
-    outcome = MutantOutcome(name, mutants.registered()[name])
+    outcome = MutantOutcome(name, registered()[name])
     cells = reach_cells(name)
     feats = {c.id: features(c) for c in cases}
     outcome.missing = [cell_name(cell) for cell in cells
@@ -164,17 +210,17 @@ def run_mutant(name: str, cases: Sequence[Case], clean: dict, run_one: Callable[
     todo.sort(key=lambda c: clean[c.id][1])
     outcome.reaching = len(todo)
     start = time.perf_counter()
-    with mutants.activate(name):
+    with activated(name):
         for case in todo:
-            mutants.clear_reached()
+            clear_reached()
             result = run_one(case)
             outcome.cases_run += 1
-            outcome.reached |= name in mutants.reached()
+            outcome.reached |= name in reached()
             if result.outcome in ("fail", "error"):
                 outcome.kills += kills_of(result)
                 if not keep_going:
                     break
-    mutants.clear_reached()
+    clear_reached()
     outcome.duration_s = time.perf_counter() - start
     outcome.status = "killed" if outcome.kills else "survived" if outcome.reached else "unreachable"
     return outcome
@@ -268,22 +314,20 @@ def _render_report(out_dir: Path) -> Optional[str]:
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
-    from fused import mutants
-
     from .cli import select_cases
 
-    registered = list(mutants.registered())
+    described = registered()
     if args.list:
-        for name in registered:
+        for name, description in described.items():
             cells = "; ".join(c or "any case" for c in CATALOGUE.get(name, ANY))
-            print(f"{name:<30} {mutants.registered()[name]}\n{'':<30} reach: {cells}")
+            print(f"{name:<30} {description}\n{'':<30} reach: {cells}")
         return 0
-    for problem in catalogue_problems(registered):
+    for problem in catalogue_problems(list(described)):
         print(f"warning: {problem}", file=sys.stderr)
-    names = args.mutant or registered
-    unknown = [n for n in names if n not in registered]
+    names = args.mutant or list(described)
+    unknown = [n for n in names if n not in described]
     if unknown:
-        print(f"error: unknown mutant(s) {unknown} (known: {', '.join(registered)})", file=sys.stderr)
+        print(f"error: unknown mutant(s) {unknown} (known: {', '.join(described)})", file=sys.stderr)
         return 2
     try:
         label, cases = select_cases(args)

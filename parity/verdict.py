@@ -13,7 +13,10 @@ Rules, evaluated in this order; a tensor fails at the first rule it breaks, and 
                    first-order detector of a systematic scale bias that the max-abs rule can miss in bf16; not
                    for tensors under the per-element rule, whose "scale" is just their value).
 
-Top-k selections use rule ``tie_margin`` (:mod:`parity.topk`) after ``structure``.
+Top-k selections use rule ``tie_margin`` (:mod:`parity.topk`) after ``structure``. Rule ``contract`` (tensor
+``contract/padding_dout``, :mod:`parity.padding_dout`) is structural too: an output gradient on padding rows changed
+a result of the implementation; it ranks right after ``structure``, so a leak decides the case as a contract
+violation, not as a numerics difference.
 
 A passing tensor reports the rule that *bound* it (its highest tolerance usage). A case fails if any tensor fails;
 its ``decided_by`` is the earliest rule that failed any tensor (else the rule that bound the case).
@@ -35,7 +38,7 @@ from . import topk as topk_protocol
 from .policy import Policy, Tolerance
 from .snapshot import Snapshot, is_row_tensor, real_rows, tensor_class
 
-RULES = ("structure", "noise_floor", "similarity", "aggregate", "tie_margin")
+RULES = ("structure", "contract", "noise_floor", "similarity", "aggregate", "tie_margin")
 
 # gating metric -> (rule, policy attribute, kind); kind "max" = value <= threshold, "floor" = value >= 1 - eps
 GATES = {
@@ -206,6 +209,16 @@ def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results):
     results.append(TensorResult(**base, verdict="pass" if rep.passed else "fail", rule="tie_margin",
                                 message="" if rep.passed else f"topk_indices: {rep.first_failure}", metrics=rows))
     return rep
+
+
+def contract_tensor(diffs: list) -> TensorResult:
+    """Tensor ``contract/padding_dout`` from :func:`parity.padding_dout.differences` (empty: the contract holds)."""
+    from .padding_dout import TENSOR, verdict_message
+
+    rows = [MetricRow("tensors_changed", float(len(diffs)), 0.0, not diffs),
+            MetricRow("elements_changed", float(sum(n for _, n, _ in diffs)))]
+    return TensorResult(TENSOR, "contract", "none", [], "fail" if diffs else "pass", "contract",
+                        verdict_message(diffs), rows)
 
 
 def case_decision(tensor_results: list, case_problems: list) -> tuple[str, str, Optional[dict], str]:

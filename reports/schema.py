@@ -14,7 +14,8 @@ import numpy as np
 ROW_TYPES = ("run", "case", "tensor", "metric", "end")
 OUTCOMES = ("pass", "fail", "error", "unsupported")
 VERDICTS = ("pass", "fail")
-TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer")
+TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer",
+                  "contract")
 
 #: Metrics with a fixed CSV column, in column order. Other metrics the engine emits follow them alphabetically.
 KNOWN_METRICS = ("max_abs", "max_rel", "rmse", "rel_l2", "cosine", "tensor_sim", "nan", "inf", "frac_outside",
