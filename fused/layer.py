@@ -12,9 +12,10 @@ from cases.config import ModelConfig
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 from cases.outputs import AttentionOutput
+from cases.selection import check_topk_selection
 
 from . import ops
-from .core_attention import check_split_topk, public_output, run_core
+from .core_attention import public_output, run_core
 from .thd import ThdMeta
 
 Tensor = torch.Tensor
@@ -30,7 +31,7 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
     if hidden.dim() != len(lead) + 1 or hidden.shape[-1] != c.hidden_size:
         raise CaseError("hidden", f"has shape {tuple(hidden.shape)}, expected [{'T' if packed else 'B, S'}, "
                                   f"{c.hidden_size}]")
-    check_split_topk(topk_indices, c, lead)
+    check_topk_selection(topk_indices, c, lead, packed_seq_params)
     if packed:
         thd = ThdMeta.from_params(packed_seq_params, hidden.shape[0])
         x, rows_pos = hidden, thd.positions()
