@@ -20,7 +20,8 @@ Kernel providers are chosen with a context manager, never with extra arguments::
 Parity-engine hooks (``parity/impls.py``), so that ``--impl fused --provider auto|torch|cudnn`` works as is:
 ``use_backend(provider=..., require=...)``, ``available_providers()`` (``{name: None or why not}``, best first: the
 usable names on a CPU machine are ``["torch"]``), and, under the GPU tooling's names, ``use_provider(name)`` and
-``executed()`` (``{stage: provider}`` of the last block). ``fused.plan`` stays the plan *module*; the case pre-check
+``executed()`` (``{stage: provider}`` of the last block), and ``topk_tie_rule(record)`` (the declared top-k tie
+rule of the providers that ran ``indexer_top_k``: ``lower-index`` for ``torch``, ``arbitrary`` for ``cudnn``). ``fused.plan`` stays the plan *module*; the case pre-check
 ``plan(case, provider)`` is ``fused.providers.plan``.
 
 Modules: ``kernels`` (interface, contracts, torch provider), ``plan`` (selection), ``ops`` / ``compressor`` /
@@ -33,9 +34,9 @@ from .core_attention import compressor, core_attention
 from .indexer import indexer
 from .layer import attention_layer
 from .plan import (BackendError, BackendUnavailable, Plan, StageUnsupported, available_providers, current_plan,
-                   executed, register_provider, use_backend)
+                   executed, register_provider, topk_tie_rule, use_backend)
 from .providers import use_provider  # noqa: E402 - after the public API, which fused.providers re-exports
 
 __all__ = ["BackendError", "BackendUnavailable", "Plan", "StageUnsupported", "attention_layer", "available_providers",
            "compressor", "core_attention", "current_plan", "executed", "indexer", "mutants", "register_provider",
-           "use_backend", "use_provider"]
+           "topk_tie_rule", "use_backend", "use_provider"]

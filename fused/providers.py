@@ -23,7 +23,7 @@ import contextlib
 from typing import Any, Iterator, Optional
 
 from . import attention_layer, compressor, core_attention, indexer  # noqa: F401 - the implementation's public API
-from .plan import SELECTIONS, Plan, executed, selection_reason, use_backend  # noqa: F401 - hooks, re-exported
+from .plan import SELECTIONS, Plan, executed, selection_reason, topk_tie_rule, use_backend  # noqa: F401 - hooks
 
 PRODUCTION = SELECTIONS["cudnn"]
 

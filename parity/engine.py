@@ -178,7 +178,8 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             problems = structure.check(case, tensors, impl_snap, noise, truth)
             case_problems = problems.pop("*", [])
             tensors_out, report = verdict.judge_case_tensors(case, tensors, impl_snap, truth, noise, problems,
-                                                             policy, policy_provider(impl_snap.record, provider))
+                                                             policy, policy_provider(impl_snap.record, provider),
+                                                             impl.tie_rule(impl_snap.record))
             if contract_snap is not None:
                 diffs = padding_dout.differences(impl_snap, contract_snap, tensors.real_rows.cpu())
                 tensors_out.append(verdict.contract_tensor(diffs))

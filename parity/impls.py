@@ -5,7 +5,11 @@ An implementation is an object (usually a module) exposing the public API of ARC
 
 * ``use_backend(provider=..., require=(...))`` — a context manager selecting the kernel provider(s); the object it
   yields has ``record``: ``{stage: provider}`` of what actually ran (the ``plan`` field of a result);
-* ``available_providers()`` — ``{name: None if usable here else the reason}`` (or a list of usable names).
+* ``available_providers()`` — ``{name: None if usable here else the reason}`` (or a list of usable names);
+* ``topk_tie_rule(record)`` — the declared top-k tie rule of a run (``parity.topk.TIE_RULES``) given its plan
+  record; without it the attribute ``TOPK_TIE_RULE``; without either ``"arbitrary"`` (only the value-based
+  top-k protocol applies). ``reference`` declares ``lower-index``; ``fused`` per provider (``torch``:
+  ``lower-index``, ``cudnn``: ``arbitrary``).
 
 Without ``use_backend`` the provider is ignored (the reference has none; its provider reads ``"none"``).
 """
@@ -65,6 +69,16 @@ class Implementation:
             raise ImplError(f"{self.name} has no provider {provider!r} (known: {', '.join(known)})")
         if known.get(provider):
             raise ImplError(f"provider {provider!r} is unavailable here: {known[provider]}")
+
+    def tie_rule(self, record: Optional[dict] = None) -> str:
+        """The declared top-k tie rule of a run with plan ``record`` (module docstring)."""
+        from .topk import TIE_RULES
+
+        fn = self._hook("topk_tie_rule")
+        rule = fn(record or {}) if fn is not None else getattr(self.api, "TOPK_TIE_RULE", "arbitrary")
+        if rule not in TIE_RULES:
+            raise ImplError(f"{self.name} declares top-k tie rule {rule!r} (known: {', '.join(TIE_RULES)})")
+        return rule
 
     def context(self, provider: str, require: Optional[str] = None) -> Callable[[], ContextManager]:
         fn = self._hook("use_backend")

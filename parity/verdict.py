@@ -149,9 +149,10 @@ def _restrict(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: Snapshot, noise: Snapshot,
-                       problems: dict, policy: Policy,
-                       provider: str) -> tuple[list, Optional[topk_protocol.TopkReport]]:
-    """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer)."""
+                       problems: dict, policy: Policy, provider: str,
+                       tie_rule: str = "arbitrary") -> tuple[list, Optional[topk_protocol.TopkReport]]:
+    """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer). ``tie_rule``: the
+    implementation's declared top-k tie rule (:data:`parity.topk.TIE_RULES`)."""
     mask = tensors.real_rows.cpu()
     results, report = [], None
     for name in dict.fromkeys(truth.names + impl.names):
@@ -167,7 +168,7 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
         if a is None or r is None:
             continue  # absent in both (checked by structure)
         if name == "topk_indices":
-            report = _judge_topk(case, a, truth, noise, impl, mask, policy, base, results)
+            report = _judge_topk(case, a, truth, noise, impl, mask, policy, base, results, tie_rule)
             continue
         ar, rr, pr = _restrict(name, a, mask), _restrict(name, r, mask), _restrict(name, p, mask)
         nan = int(torch.isnan(ar).sum())
@@ -185,7 +186,7 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
     return results, report
 
 
-def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results):
+def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results, tie_rule):
     k = case.config.dsa_indexer_topk
     scores = truth["index_scores"]
     rs = real_rows(M.as_f64(scores), mask)
@@ -198,14 +199,17 @@ def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results):
                                 None if ims is None else real_rows(M.as_f64(ims), mask),
                                 None if ps is None else real_rows(M.as_f64(ps), mask),
                                 k, score_dtype, ulps=float(knobs.get("ulps", 2)),
-                                margin_factor=float(knobs.get("margin_factor", 1.0)))
+                                margin_factor=float(knobs.get("margin_factor", 1.0)), tie_rule=tie_rule)
     rows = [MetricRow("rows", float(rep.rows)), MetricRow("rows_clear", float(rep.clear)),
             MetricRow("rows_tied", float(rep.tied)),
             MetricRow("frac_tied", rep.tied / rep.rows if rep.rows else 0.0),
             MetricRow("mismatched_clear", float(rep.mismatched_clear), 0.0, rep.mismatched_clear == 0),
             MetricRow("mismatched_tied", float(rep.mismatched_tied), 0.0, rep.mismatched_tied == 0),
-            MetricRow("tied_gap_ratio", rep.worst_gap_ratio, 1.0, rep.worst_gap_ratio <= 1.0)]
-    rows.append(MetricRow("frac_outside", (rep.mismatched_clear + rep.mismatched_tied) / rep.rows if rep.rows else 0.0))
+            MetricRow("tied_gap_ratio", rep.worst_gap_ratio, 1.0, rep.worst_gap_ratio <= 1.0),
+            MetricRow("rows_exact_tied", float(rep.exact_tied)),
+            MetricRow("mismatched_tie_rule", float(rep.mismatched_tie_rule), 0.0, rep.mismatched_tie_rule == 0)]
+    wrong = rep.mismatched_clear + rep.mismatched_tied + rep.mismatched_tie_rule
+    rows.append(MetricRow("frac_outside", min(wrong, rep.rows) / rep.rows if rep.rows else 0.0))
     results.append(TensorResult(**base, verdict="pass" if rep.passed else "fail", rule="tie_margin",
                                 message="" if rep.passed else f"topk_indices: {rep.first_failure}", metrics=rows))
     return rep

@@ -12,6 +12,9 @@ Public API (identical names and signatures in ``fused``; see ARCHITECTURE.md)::
                    topk_indices=None)
     compressor(hidden, params, prefix, config, packed_seq_params=None, *, rotate=False)
     indexer(hidden, q_latent, params, config, packed_seq_params=None)
+
+``TOPK_TIE_RULE``: the declared top-k tie behaviour the parity engine enforces on exactly tied rows
+(``parity/impls.py``): among equal scores the lower compressed index wins, always (a stable sort).
 """
 
 from .compressor import compressor
@@ -19,4 +22,6 @@ from .core_attention import core_attention
 from .indexer import indexer
 from .layer import attention_layer
 
-__all__ = ["attention_layer", "compressor", "core_attention", "indexer"]
+TOPK_TIE_RULE = "lower-index"
+
+__all__ = ["TOPK_TIE_RULE", "attention_layer", "compressor", "core_attention", "indexer"]
