@@ -264,3 +264,15 @@ def materialize(case: Case, device: Union[str, torch.device] = "cpu", *,
     inputs = {name: values[f"input/{name}"].to(device).requires_grad_(True) for name in input_shapes(case)}
     return CaseTensors(params=params, inputs=inputs, grad_output=values["grad_output"].to(device),
                        packed_seq_params=psp, real_rows=real.to(device), row_kinds=kinds)
+
+
+def api_inputs(case: Case, tensors: CaseTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden, q_latent)`` for the public ``compressor`` / ``indexer`` on a case (``[B, S, ...]`` / ``[T, ...]``):
+    the case's own inputs at core scope; at layer scope its ``hidden`` and a ``q_latent`` drawn like an input
+    (seed key ``"api/q_latent"``, so no other tensor changes)."""
+    hidden = tensors.inputs["hidden"].detach()
+    if "q_latent" in tensors.inputs:
+        return hidden, tensors.inputs["q_latent"].detach()
+    shape = _token_shape(case) + (case.config.q_lora_rank,)
+    q_latent = _randn(case.seed, "api/q_latent", shape).to(case.torch_dtype).to(hidden.device)
+    return hidden, q_latent

@@ -11,6 +11,9 @@ For a case of dtype ``d`` (all runs on the same device, from the same materialis
 The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`), and, on
 exactly tied rows, by the implementation's declared tie rule (:meth:`Implementation.tie_rule`).
 
+On a layer with a compressor or an indexer, the public ``compressor()`` / ``indexer()`` of both run too and join
+the snapshots as ``api/*`` tensors (:mod:`parity.api_check`).
+
 When ``dO`` is non-zero on some THD padding row (core scope, ``padding_dout="poison"`` cases), the implementation
 runs a second time with it zeroed there: the two runs must be bit-identical (tensor ``contract/padding_dout``, rule
 ``contract``, :mod:`parity.padding_dout`).
@@ -34,7 +37,7 @@ import torch
 from cases.case import Case
 from cases.tensors import materialize
 
-from . import padding_dout
+from . import api_check, padding_dout
 from . import policy as policy_mod
 from . import structure, verdict
 from .impls import Implementation, is_unsupported, policy_provider
@@ -158,15 +161,19 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
         stage = f"{impl.name} run"
         with clock("impl"):
             impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
-            contract_snap = None
+            contract_diffs = None
             if padding_dout.padding_dout_nonzero(tensors):
                 stage = f"{impl.name} run with dO zeroed on padding rows"
                 contract_snap = run(impl.api, case, padding_dout.without_padding_dout(tensors),
                                     context=impl.context(provider, options.require))
+                contract_diffs = padding_dout.differences(impl_snap, contract_snap, tensors.real_rows.cpu())
         result.plan = impl_snap.record or {}
         stage = f"{against.name} runs"
         with clock("reference"):
             truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+        stage = "public compressor / indexer"
+        api_runs(case, impl, against, tensors, provider, options.require, impl_snap, truth, noise, clock)
+        result.plan = impl_snap.record or {}
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
@@ -180,9 +187,8 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             tensors_out, report = verdict.judge_case_tensors(case, tensors, impl_snap, truth, noise, problems,
                                                              policy, policy_provider(impl_snap.record, provider),
                                                              impl.tie_rule(impl_snap.record))
-            if contract_snap is not None:
-                diffs = padding_dout.differences(impl_snap, contract_snap, tensors.real_rows.cpu())
-                tensors_out.append(verdict.contract_tensor(diffs))
+            if contract_diffs is not None:
+                tensors_out.append(verdict.contract_tensor(contract_diffs))
             outcome, decided_by, first, message = verdict.case_decision(tensors_out, case_problems)
     except Exception as exc:  # noqa: BLE001 — a comparison crash is the harness's error, reported as such
         return finish("error", "error", f"comparison: {one_line(exc)} [{_where(exc)}]")
@@ -214,12 +220,30 @@ def reference_runs(case: Case, against: Implementation, tensors, split: Optional
     return truth, noise, note
 
 
+def api_runs(case: Case, impl: Implementation, against: Implementation, tensors, provider: str,
+             require: Optional[str], impl_snap, truth, noise, clock=None) -> None:
+    """Add the public compressor / indexer outputs (:mod:`parity.api_check`) of ``impl`` and of ``against``
+    (float64 truth and same-dtype noise) to the snapshots, when the layer has them and both implementations
+    expose them."""
+    if not (api_check.applies(case) and api_check.has_api(impl.api) and api_check.has_api(against.api)):
+        return
+    clock = clock or (lambda phase: contextlib.nullcontext())
+    with clock("impl"):
+        api_check.merge(impl_snap, api_check.run_api(impl.api, case, tensors, context=impl.context(provider, require)))
+    with clock("reference"):
+        truth_api = api_check.run_api(against.api, case, tensors, upcast=True)
+        api_check.merge(truth, truth_api)
+        if noise is not truth:
+            api_check.merge(noise, api_check.run_api(against.api, case, tensors))
+
+
 def snapshots(case: Case, impl: Implementation, against: Implementation, options: RunOptions) -> tuple:
     """``(tensors, impl, truth, noise)`` snapshots of a case, for tests and interactive digging (raises)."""
     provider = impl.resolve_provider(options.provider)
     tensors = materialize(case, options.torch_device())
     impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
     truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+    api_runs(case, impl, against, tensors, provider, options.require, impl_snap, truth, noise)
     return tensors, impl_snap, truth, noise
 
 

@@ -6,6 +6,10 @@ Tensor names (the ``tensor`` field of the results rows), in report order::
     grad/<input>   for each input (layer: hidden; core: query, kv, hidden, q_latent),
     grad/<param>   for each parameter by its production name (cases.tensors.parameter_shapes order).
 
+The engine adds the public API's outputs (:mod:`parity.api_check`): ``api/compressor``, ``api/indexer.compressor``,
+``api/indexer.index_scores``, ``api/indexer.topk_indices`` (the last two judged like their layer counterparts,
+:func:`role`).
+
 A value is ``None`` when the implementation returned none (no indexer, no loss, an unused gradient). The gradients
 are those of ``AttentionOutput.objective(dO) = sum(out · dO) + indexer_loss``.
 """
@@ -27,13 +31,32 @@ FORWARD_NAMES = ("out", "lse", "index_scores", "topk_indices", "indexer_loss")
 INPUT_ORDER = ("query", "kv", "hidden", "q_latent")
 
 
+API_INDEXER = "api/indexer."
+#: Public-API compressor outputs: activations, judged with the ``out`` tolerances.
+API_COMPRESSORS = ("api/compressor", "api/indexer.compressor")
+
+
+def role(name: str) -> str:
+    """The layer tensor a public-API tensor stands for (``api/indexer.topk_indices`` -> ``topk_indices``)."""
+    return name[len(API_INDEXER):] if name.startswith(API_INDEXER) else name
+
+
+def scores_of(topk_name: str) -> str:
+    """The scores tensor a selection is judged against (``topk_indices`` -> ``index_scores``, same prefix)."""
+    return topk_name[:-len("topk_indices")] + "index_scores"
+
+
 def tensor_class(name: str) -> str:
     """The policy class of a tensor name: ``out lse index_scores topk loss grad_input grad_param grad_indexer``.
 
     ``grad_indexer`` holds the gradients of the indexer's own parameters (``core_attention.indexer.*``): they come only
     from the KL loss through ``ReLU(qI·kI)``, whose derivative jumps where bf16 rounding flips the sign of a product
     near 0, so their bf16 tolerances are wider than those of every other parameter (see ``parity/policy.json``).
+    Public-API tensors take the class of the tensor they stand for (:func:`role`; compressor outputs ``out``).
     """
+    if name in API_COMPRESSORS:
+        return "out"
+    name = role(name)
     if name == "topk_indices":
         return "topk"
     if name == "indexer_loss":
@@ -47,6 +70,7 @@ def tensor_class(name: str) -> str:
 
 def is_row_tensor(name: str) -> bool:
     """Tensors whose leading dims are the token rows (``[B, S]`` or ``[T]``)."""
+    name = role(name)
     return name in ("out", "lse", "index_scores", "topk_indices") or (
         name.startswith("grad/") and name[5:] in INPUT_ORDER)
 

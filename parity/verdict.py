@@ -36,7 +36,7 @@ from cases.tensors import CaseTensors
 from . import metrics as M
 from . import topk as topk_protocol
 from .policy import Policy, Tolerance
-from .snapshot import Snapshot, is_row_tensor, real_rows, tensor_class
+from .snapshot import Snapshot, is_row_tensor, real_rows, role, scores_of, tensor_class
 
 RULES = ("structure", "contract", "noise_floor", "similarity", "aggregate", "tie_margin")
 
@@ -167,12 +167,13 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
             continue
         if a is None or r is None:
             continue  # absent in both (checked by structure)
-        if name == "topk_indices":
-            report = _judge_topk(case, a, truth, noise, impl, mask, policy, base, results, tie_rule)
+        if role(name) == "topk_indices":
+            rep = _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule)
+            report = rep if name == "topk_indices" else report  # the case row's summary: the layer's selection
             continue
         ar, rr, pr = _restrict(name, a, mask), _restrict(name, r, mask), _restrict(name, p, mask)
         nan = int(torch.isnan(ar).sum())
-        if name == "index_scores":  # compare where causally valid (the -inf pattern is a structure rule)
+        if role(name) == "index_scores":  # compare where causally valid (the -inf pattern is a structure rule)
             keep = torch.isfinite(rr)
             inf = int(torch.isinf(ar[keep]).sum())
             ar, rr, pr = ar[keep], rr[keep], pr[keep]
@@ -186,12 +187,12 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
     return results, report
 
 
-def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results, tie_rule):
+def _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule):
     k = case.config.dsa_indexer_topk
-    scores = truth["index_scores"]
+    scores = truth[scores_of(name)]
     rs = real_rows(M.as_f64(scores), mask)
-    ps = noise["index_scores"]
-    ims = impl["index_scores"]
+    ps = noise[scores_of(name)]
+    ims = impl[scores_of(name)]
     knobs = policy.topk(case.dtype)
     score_dtype = torch.float64 if case.dtype == "float64" else torch.float32
     idx = real_rows(a.cpu().to(torch.int64), mask)
@@ -211,7 +212,7 @@ def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results, tie_ru
     wrong = rep.mismatched_clear + rep.mismatched_tied + rep.mismatched_tie_rule
     rows.append(MetricRow("frac_outside", min(wrong, rep.rows) / rep.rows if rep.rows else 0.0))
     results.append(TensorResult(**base, verdict="pass" if rep.passed else "fail", rule="tie_margin",
-                                message="" if rep.passed else f"topk_indices: {rep.first_failure}", metrics=rows))
+                                message="" if rep.passed else f"{name}: {rep.first_failure}", metrics=rows))
     return rep
 
 
