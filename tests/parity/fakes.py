@@ -179,6 +179,15 @@ def _term(res, values):
     return res
 
 
+def _real_mask(hidden, psp):
+    """bool ``[T]``: the real rows of a THD pack."""
+    real = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+    for b in range(psp.cu_seqlens_q.numel() - 1):
+        start = int(psp.cu_seqlens_q_padded[b])
+        real[start:start + int(psp.cu_seqlens_q[b + 1] - psp.cu_seqlens_q[b])] = True
+    return real
+
+
 class GlobalRowTerm(Wrapped):
     def after(self, res, hidden, psp):
         rows = torch.arange(hidden.shape[:-1].numel(), device=hidden.device, dtype=torch.float64)
@@ -189,10 +198,7 @@ class PadValueLeak(Wrapped):
     def after(self, res, hidden, psp):
         if psp is None:
             return res
-        real = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        for b in range(psp.cu_seqlens_q.numel() - 1):
-            start = int(psp.cu_seqlens_q_padded[b])
-            real[start:start + int(psp.cu_seqlens_q[b + 1] - psp.cu_seqlens_q[b])] = True
+        real = _real_mask(hidden, psp)
         if real.all():
             return res
         leak = hidden[~real].mean() * 1e-2
@@ -232,11 +238,7 @@ class PadDoutLeak(Wrapped):
     def after(self, res, hidden, psp):
         if psp is None:
             return res
-        real = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        for b in range(psp.cu_seqlens_q.numel() - 1):
-            start = int(psp.cu_seqlens_q_padded[b])
-            real[start:start + int(psp.cu_seqlens_q[b + 1] - psp.cu_seqlens_q[b])] = True
-        term = torch.where(real, 0.0, 1e-3 * hidden.sum())
+        term = torch.where(_real_mask(hidden, psp), 0.0, 1e-3 * hidden.sum())
         return _term(res, term)
 
 
