@@ -24,4 +24,4 @@ from .layer import attention_layer
 
 TOPK_TIE_RULE = "lower-index"
 
-__all__ = ["TOPK_TIE_RULE", "attention_layer", "compressor", "core_attention", "indexer"]
+__all__ = ["attention_layer", "compressor", "core_attention", "indexer"]  # the public API (TOPK_TIE_RULE: a declaration)
