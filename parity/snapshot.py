@@ -106,12 +106,13 @@ def _call(module, case: Case, inputs: dict, params: dict, psp, topk_indices) -> 
 
 def run(module, case: Case, tensors: CaseTensors, *, upcast: bool = False,
         topk_indices: Optional[torch.Tensor] = None,
-        context: Callable[[], ContextManager] = contextlib.nullcontext) -> Snapshot:
+        context: Callable[[], ContextManager] = contextlib.nullcontext, with_loss: bool = True) -> Snapshot:
     """Run ``module.attention_layer`` / ``core_attention`` forward and backward on fresh leaves.
 
     ``upcast``: run on the float64 upcast of the case tensors (the truth run: the case-dtype values, exactly);
     else on copies in the case dtype (``attn_sink`` / ``ape`` stay fp32 in bf16 as materialised).
     ``topk_indices``: split mode (the reference with the implementation's selection).
+    ``with_loss=False``: the gradients of ``sum(out · dO)`` alone (the indexer loss left out of the objective).
     """
     dtype = torch.float64 if upcast else None
     inputs = {n: _leaf(t, dtype) for n, t in tensors.inputs.items()}
@@ -131,7 +132,7 @@ def run(module, case: Case, tensors: CaseTensors, *, upcast: bool = False,
 
     with context() as handle:
         result = _call(module, case, inputs, params, psp, topk_indices)
-        objective = result.objective(d_out)
+        objective = (result if with_loss else dataclasses.replace(result, indexer_loss=None)).objective(d_out)
         grads = torch.autograd.grad(objective, leaves, allow_unused=True) if objective.requires_grad else \
             [None] * len(leaves)
     record = getattr(handle, "record", None)

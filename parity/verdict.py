@@ -14,8 +14,8 @@ Rules, evaluated in this order; a tensor fails at the first rule it breaks, and 
                    for tensors under the per-element rule, whose "scale" is just their value).
 
 Top-k selections use rule ``tie_margin`` (:mod:`parity.topk`) after ``structure``. Rule ``contract`` (tensor
-``contract/padding_dout``, :mod:`parity.padding_dout`) is structural too: an output gradient on padding rows changed
-a result of the implementation; it ranks right after ``structure``, so a leak decides the case as a contract
+``contract/padding_dout``, :mod:`parity.padding_dout`) is structural too: the output gradient of the padding rows
+alone reached a gradient of the implementation; it ranks right after ``structure``, so a leak decides the case as a contract
 violation, not as a numerics difference.
 
 A passing tensor reports the rule that *bound* it (its highest tolerance usage). A case fails if any tensor fails;
@@ -216,14 +216,15 @@ def _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, 
     return rep
 
 
-def contract_tensor(diffs: list) -> TensorResult:
-    """Tensor ``contract/padding_dout`` from :func:`parity.padding_dout.differences` (empty: the contract holds)."""
+def contract_tensor(leaks: list) -> TensorResult:
+    """Tensor ``contract/padding_dout`` from :func:`parity.padding_dout.leaks` (empty: the contract holds)."""
     from .padding_dout import TENSOR, verdict_message
 
-    rows = [MetricRow("tensors_changed", float(len(diffs)), 0.0, not diffs),
-            MetricRow("elements_changed", float(sum(n for _, n, _ in diffs)))]
-    return TensorResult(TENSOR, "contract", "none", [], "fail" if diffs else "pass", "contract",
-                        verdict_message(diffs), rows)
+    rows = [MetricRow("leaking_gradients", float(len(leaks)), 0.0, not leaks),
+            MetricRow("nonzero_elements", float(sum(n for _, n, _ in leaks))),
+            MetricRow("max_abs", max((size for _, _, size in leaks), default=0.0))]
+    return TensorResult(TENSOR, "contract", "none", [], "fail" if leaks else "pass", "contract",
+                        verdict_message(leaks), rows)
 
 
 def case_decision(tensor_results: list, case_problems: list) -> tuple[str, str, Optional[dict], str]:

@@ -124,3 +124,34 @@ def test_generator_gives_a_poisoned_case_only_when_pinned():
     assert pinned.padding_dout == "poison" and pinned.has_padding_rows and pinned.scope == "core"
     free = sample_case(Rng(1, "t", "free"), profile, {"layout": "thd"})
     assert free.padding_dout == "default"
+
+
+class _NoisyGradients:
+    """The reference with ``out`` scaled per row by a fresh ``1 + 1e-6 · rand`` on every call: gradients differ
+    run to run (as a non-deterministic GPU accumulation's do), yet padding rows still pass none."""
+
+    def __init__(self):
+        self.base = reference
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def attention_layer(self, *args, **kwargs):
+        res = reference.attention_layer(*args, **kwargs)
+        res.out = res.out * (1 + 1e-6 * torch.rand(res.out.shape[:-1] + (1,), dtype=res.out.dtype))
+        return res
+
+
+def test_the_contract_holds_for_non_deterministic_gradients_and_catches_a_leak():
+    case = _repro_case()
+    noisy = impls.Implementation("noisy", _NoisyGradients())
+    t = materialize(case)
+    first, second = run(noisy.api, case, t), run(noisy.api, case, t)
+    assert not torch.equal(first["grad/linear_proj.weight"], second["grad/linear_proj.weight"])  # not bitwise
+    result = run_case(case, noisy, REF, RunOptions(impl="noisy"))
+    contract = next(t for t in result.tensors if t.name == "contract/padding_dout")
+    assert contract.verdict == "pass", contract.message
+    leak = impls.load("tests.parity.fakes:reference_pad_dout_leak")
+    result = run_case(case, leak, REF, RunOptions(impl="leak"))
+    contract = next(t for t in result.tensors if t.name == "contract/padding_dout")
+    assert result.outcome == "fail" and contract.verdict == "fail" and "grad/hidden" in contract.message
