@@ -11,6 +11,8 @@ SUITE     ?= $(shell $(PY) -c 'import torch; print("gate" if torch.cuda.is_avail
 # supports on this architecture (a silent fallback fails the run); otherwise `auto` (the torch provider on a CPU).
 PROVIDER  ?= $(shell $(PY) -c 'import torch, cudnn, flash_mla; print("cudnn" if torch.cuda.is_available() else "auto")' 2>/dev/null || echo auto)
 OUT       ?= reports/out/latest
+# Metamorphic oracles `make parity` also runs on a CPU (fused, the smoke suite): the poisoned output gradient.
+CPU_ORACLES ?= $(shell $(PY) -c 'import torch; print("" if torch.cuda.is_available() else "padding-dout")' 2>/dev/null || echo padding-dout)
 WORKERS   ?= 2
 # CI hooks (empty by default: `make parity` runs exactly as without them): JUNIT=path also writes JUnit XML there;
 # RUN_ARGS adds `run` options, e.g. RUN_ARGS='--impl megatron --megatron ../Megatron-LM'. BASELINE: the drift
@@ -60,6 +62,8 @@ $(VENV)/.installed: pyproject.toml
 parity: $(BOOTSTRAP)
 	$(PY) -m cli run --suite $(SUITE) --provider $(PROVIDER) --workers auto --out $(OUT) --make-default \
 		$(if $(JUNIT),--junit $(JUNIT)) $(RUN_ARGS)
+	@for oracle in $(CPU_ORACLES); do \
+	  $(PY) -m cli run --suite smoke --oracle $$oracle --provider $(PROVIDER) --quiet || exit 1; done
 
 test: $(BOOTSTRAP)
 	$(PY) tests/setup_browser.py || true

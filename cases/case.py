@@ -23,7 +23,10 @@ from .layout import BshdLayout, Layout, ThdLayout, layout_from_dict
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 SCOPES = ("layer", "core")
 DEVICES = ("any", "cuda")
-CASE_FIELDS = ("config", "layout", "dtype", "training", "scope", "seed", "device", "profile", "tags")
+CASE_FIELDS = ("config", "layout", "dtype", "training", "scope", "seed", "device", "profile", "tags", "padding_dout")
+#: What the output gradient holds on THD padding rows (alignment padding, dummy tail, slack): ``default`` = zero at
+#: layer scope (a masked training loss), random at core scope; ``poison`` = huge random values at either scope.
+PADDING_DOUT = ("default", "poison")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class Case:
     * ``training``: compute the indexer KL loss (only r=4 layers with an indexer have one); ``False`` is eval (Path C).
     * ``dtype``: activations / weights dtype. ``attn_sink`` and ``ape`` stay fp32 for bfloat16 (production).
     * ``device``: ``"cuda"`` if the case needs a GPU (kernel-profile shapes), else ``"any"``.
+    * ``padding_dout``: the output gradient on THD padding rows (:data:`PADDING_DOUT`); ``poison`` needs padding
+      rows. Serialised only when not ``default``, so the ids of earlier cases are unchanged.
     """
 
     config: ModelConfig
@@ -48,6 +53,7 @@ class Case:
     device: str = "any"
     profile: str = "tiny"
     tags: tuple[str, ...] = ()
+    padding_dout: str = "default"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,6 +78,10 @@ class Case:
         require(isinstance(self.profile, str), "profile", "must be a string")
         require(isinstance(self.tags, tuple) and all(isinstance(t, str) for t in self.tags), "tags",
                 "must be a list of strings")
+        require(self.padding_dout in PADDING_DOUT, "padding_dout",
+                f"must be one of {PADDING_DOUT}, got {self.padding_dout!r}")
+        require(self.padding_dout == "default" or self.has_padding_rows, "padding_dout",
+                f"{self.padding_dout!r} needs a THD layout with padding rows (this case has none)")
         return self
 
     # ---- derived --------------------------------------------------------------------------------------------------
@@ -98,11 +108,19 @@ class Case:
     def is_thd(self) -> bool:
         return isinstance(self.layout, ThdLayout)
 
+    @property
+    def has_padding_rows(self) -> bool:
+        """THD with rows that are not real tokens (alignment padding, dummy tail, slack)."""
+        return self.is_thd and self.layout.num_real_rows < self.layout.total_tokens
+
     # ---- identity / serialisation -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "layout": self.layout.to_dict(), "dtype": self.dtype,
+        data = {"config": self.config.to_dict(), "layout": self.layout.to_dict(), "dtype": self.dtype,
                 "training": self.training, "scope": self.scope, "seed": self.seed, "device": self.device,
                 "profile": self.profile, "tags": list(self.tags)}
+        if self.padding_dout != "default":
+            data["padding_dout"] = self.padding_dout
+        return data
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, no whitespace (the id is a hash of it)."""
@@ -139,7 +157,7 @@ class Case:
                    dtype=data.get("dtype", defaults["dtype"]), training=data.get("training", defaults["training"]),
                    scope=data.get("scope", defaults["scope"]), seed=data.get("seed", defaults["seed"]),
                    device=data.get("device", defaults["device"]), profile=data.get("profile", defaults["profile"]),
-                   tags=tuple(tags))
+                   tags=tuple(tags), padding_dout=data.get("padding_dout", defaults["padding_dout"]))
 
     @classmethod
     def from_json(cls, text: str) -> "Case":

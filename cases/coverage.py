@@ -48,6 +48,7 @@ FEATURES: dict[str, str] = {
     "slack": "THD: buffer rows past the last boundary",
     "identical_segments": "THD: two segments of identical real and padded length",
     "capacity": "THD compressed-row capacity: n/a / none / exact / production / over",
+    "padding_dout": "output gradient on THD padding rows: n/a (none) / zero (layer) / random (core) / poison (huge)",
 }
 
 
@@ -82,7 +83,16 @@ def features(case: Case) -> dict[str, Value]:
         "topk_saturated": c.has_indexer and any(L // 4 > K for L in reals),
     }
     f.update(_packing_features(layout, r))
+    f["padding_dout"] = _padding_dout(case)
     return f
+
+
+def _padding_dout(case: Case) -> str:
+    if not case.has_padding_rows:
+        return "n/a"
+    if case.padding_dout == "poison":
+        return "poison"
+    return "zero" if case.scope == "layer" else "random"
 
 
 def _packing_features(layout, ratio: int) -> dict[str, Value]:

@@ -26,6 +26,8 @@ from .rng import Rng
 #: Features that only a THD layout can have (pinning one of them to true/non-n/a implies layout=thd).
 THD_FEATURES = ("alignment_padding", "zero_length_segment", "cu_capacity_padding", "dummy_tail", "slack",
                 "identical_segments")
+#: ``padding_dout`` pins that need padding rows (a THD layout).
+PADDING_DOUT_PINS = ("zero", "random", "poison")
 #: Features decided by sequence lengths (both layouts).
 LENGTH_FEATURES = ("short_segment", "partial_block", "block_aligned", "window_saturated", "topk_saturated")
 
@@ -83,7 +85,8 @@ def _draw_layout(rng: Rng, profile: Profile, config: ModelConfig, pins: Mapping[
     r, W, K = config.compress_ratio, config.csa_window_size, config.dsa_indexer_topk
     budget = profile.max_tokens[r]
     force = {k: v for k, v in pins.items() if k in THD_FEATURES + LENGTH_FEATURES + ("sequences", "capacity")}
-    thd_pinned = any(pins.get(k) is True for k in THD_FEATURES) or pins.get("capacity", "n/a") != "n/a"
+    thd_pinned = any(pins.get(k) is True for k in THD_FEATURES) or pins.get("capacity", "n/a") != "n/a" \
+        or pins.get("padding_dout") in PADDING_DOUT_PINS
     kind = pins.get("layout") or ("thd" if thd_pinned else rng.weighted((("bshd", 2), ("thd", 3))))
     if kind == "thd":
         return sample_packing(rng, ratio=r, window=W, topk=K, budget=budget, force=force)
@@ -128,6 +131,8 @@ def sample_case(rng: Rng, profile: Profile, pins: Mapping[str, Value] = {}, *, s
                         scope=pins["scope"] if "scope" in pins else rng.weighted(profile.scopes),
                         seed=rng.seed() if seed is None else seed, device=profile.device, profile=profile.name,
                         tags=tags)
+            if pins.get("padding_dout") == "poison":  # only when pinned: unpinned draws (and case ids) are unchanged
+                case = case.replace(padding_dout="poison")
         except CaseError:
             continue  # a pin the config cannot take (e.g. heads not divisible by o_groups): draw again
         if (layout.num_tokens <= profile.max_tokens[config.compress_ratio]

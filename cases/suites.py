@@ -82,7 +82,8 @@ def _common_cells(ratios_thd: Sequence[str]) -> list[Cell]:
 
 SMOKE_CELLS = _common_cells(["4", "128"]) + cells(dtype=["float64", "float32", "bfloat16"], ratio=["0", "4", "128"]) \
     + cells(dtype=["float32", "bfloat16"], loss=["dense", "sparse"]) \
-    + _c("heads=2", "heads=8", "window=4 ratio=0", "window=16 ratio=4", "topk=2 loss=sparse", "topk=8 loss=dense")
+    + _c("heads=2", "heads=8", "window=4 ratio=0", "window=16 ratio=4", "topk=2 loss=sparse", "topk=8 loss=dense") \
+    + cells(padding_dout=["poison"], scope=["layer", "core"]) + cells(padding_dout=["poison"], ratio=["0", "4", "128"])
 
 GATE_CELLS = _common_cells(["4", "128"]) + cells(heads=["64", "128"], ratio=["0", "4", "128"]) \
     + cells(topk=["128", "256", "512", "1024"], loss=["sparse"]) \

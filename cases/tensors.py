@@ -76,6 +76,10 @@ def parameter_shapes(config: ModelConfig, scope: str) -> dict[str, tuple]:
     return layer_parameter_shapes(config) if scope == "layer" else core_parameter_shapes(config)
 
 
+#: Scale of the output gradient on padding rows of a ``padding_dout="poison"`` case (and of the poisoned-dO oracle):
+#: large enough that any leak of it dwarfs every rounding difference.
+DOUT_POISON = 1e6
+
 CHUNK = 1 << 20  # a tensor with more elements is drawn in independently seeded chunks of this many
 DRAW_THREADS_ENV = "DSV4_PARITY_DRAW_THREADS"
 
@@ -185,9 +189,10 @@ class CaseTensors:
     * ``inputs``: ``{"hidden"}`` (layer scope) or ``{"query", "kv", "hidden", "q_latent"}`` (core scope), leaves with
       ``requires_grad=True``. BSHD shapes ``[B,S,...]``, THD ``[T,...]``:
       hidden ``[..., Hd]``, query ``[..., n, D]``, kv ``[..., D]``, q_latent ``[..., Rq]``.
-    * ``grad_output``: dO, shaped like the output (layer ``[..., Hd]``, core ``[..., n, D]``). At layer scope it is
-      zero on non-real THD rows (a real training loss masks them); at core scope it is random there too, so the
-      implementation's own masking of padding-row dO is exercised.
+    * ``grad_output``: dO, shaped like the output (layer ``[..., Hd]``, core ``[..., n, D]``). On non-real THD rows
+      it is zero at layer scope (a real training loss masks them) and random at core scope, so the implementation's
+      own masking of padding-row dO is exercised; ``padding_dout="poison"`` cases get ``DOUT_POISON`` times a random
+      draw there at either scope.
     * ``packed_seq_params``: THD runtime metadata, else None.
     * ``real_rows``: bool mask over rows (``[B,S]`` or ``[T]``) of real tokens.
     """
@@ -218,12 +223,21 @@ def output_shape(case: Case) -> tuple:
     return rows + ((c.hidden_size,) if case.scope == "layer" else (c.num_attention_heads, c.v_head_dim))
 
 
+def padding_dout_scale(case: Case, padding_scale: float = 1.0) -> float:
+    """The factor of the standard-normal draw of dO on non-real rows: 0 at layer scope, ``padding_scale`` at core
+    scope, ``DOUT_POISON`` for a ``padding_dout="poison"`` case."""
+    if case.padding_dout == "poison":
+        return DOUT_POISON
+    return 0.0 if case.scope == "layer" else padding_scale
+
+
 def materialize(case: Case, device: Union[str, torch.device] = "cpu", *,
-                padding_scale: float = 1.0) -> CaseTensors:
+                padding_scale: float = 1.0, dout_padding_scale: Optional[float] = None) -> CaseTensors:
     """Build the case's tensors on ``device``.
 
     ``padding_scale`` multiplies the values of non-real rows (padding and slack) of every input: the padding-invariance
-    checks set it large ("poison") and expect real-row results to be bit-identical.
+    checks set it large ("poison") and expect real-row results to be bit-identical. ``dout_padding_scale`` overrides
+    :func:`padding_dout_scale` (the factor of dO on non-real rows; 0 gives zeros).
     """
     dtype = case.torch_dtype
     if isinstance(case.layout, ThdLayout):
@@ -240,11 +254,10 @@ def materialize(case: Case, device: Union[str, torch.device] = "cpu", *,
         param_dtype = torch.float32 if (dtype == torch.bfloat16 and name in FP32_PARAMETERS) else dtype
         return _Draw(name, shape, param_dtype, lambda x, a, b: _scaled(name, shape, x))
 
-    def rows_scaled(name: str, shape: tuple) -> _Draw:  # non-real rows times padding_scale
-        if padding_scale == 1.0 or all_real:
+    def rows_scaled(name: str, shape: tuple, scale: float = padding_scale) -> _Draw:  # non-real rows times scale
+        if scale == 1.0 or all_real:
             return _Draw(name, shape, dtype)
-        return _Draw(name, shape, dtype,
-                     lambda x, a, b: torch.where(_row_mask(real, shape, a, b), x, x * padding_scale))
+        return _Draw(name, shape, dtype, lambda x, a, b: torch.where(_row_mask(real, shape, a, b), x, x * scale))
 
     def rows_zeroed(name: str, shape: tuple) -> _Draw:  # layer-scope dO: zero on non-real rows
         if all_real:
@@ -254,9 +267,23 @@ def materialize(case: Case, device: Union[str, torch.device] = "cpu", *,
     shapes = parameter_shapes(case.config, case.scope)
     draws = [param(name, shape) for name, shape in shapes.items()]
     draws += [rows_scaled(f"input/{name}", shape) for name, shape in input_shapes(case).items()]
-    draws.append((rows_zeroed if case.scope == "layer" else rows_scaled)("grad_output", output_shape(case)))
+    dout_scale = padding_dout_scale(case, padding_scale) if dout_padding_scale is None else dout_padding_scale
+    draws.append(rows_zeroed("grad_output", output_shape(case)) if dout_scale == 0.0 else
+                 rows_scaled("grad_output", output_shape(case), dout_scale))
     values = _draw_all(case.seed, draws)
     params = {name: values[name].to(device).requires_grad_(True) for name in shapes}
     inputs = {name: values[f"input/{name}"].to(device).requires_grad_(True) for name in input_shapes(case)}
     return CaseTensors(params=params, inputs=inputs, grad_output=values["grad_output"].to(device),
                        packed_seq_params=psp, real_rows=real.to(device), row_kinds=kinds)
+
+
+def api_inputs(case: Case, tensors: CaseTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden, q_latent)`` for the public ``compressor`` / ``indexer`` on a case (``[B, S, ...]`` / ``[T, ...]``):
+    the case's own inputs at core scope; at layer scope its ``hidden`` and a ``q_latent`` drawn like an input
+    (seed key ``"api/q_latent"``, so no other tensor changes)."""
+    hidden = tensors.inputs["hidden"].detach()
+    if "q_latent" in tensors.inputs:
+        return hidden, tensors.inputs["q_latent"].detach()
+    shape = _token_shape(case) + (case.config.q_lora_rank,)
+    q_latent = _randn(case.seed, "api/q_latent", shape).to(case.torch_dtype).to(hidden.device)
+    return hidden, q_latent

@@ -11,7 +11,11 @@ OUTCOMES = ("pass", "fail", "error", "unsupported")
 
 #: Tensor classes (``results.jsonl`` field ``tensor_class``), in report order. ``grad_indexer``: the gradients of
 #: ``core_attention.indexer.*``, trained only by the KL loss.
-TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer")
+TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer",
+                  "contract")
+#: The classes judged by numeric tolerances (``parity/policy.json`` has an entry for each); ``contract`` tensors are
+#: judged exactly (``contract/padding_dout``: every gradient 0).
+TOLERANCED_CLASSES = TENSOR_CLASSES[:-1]
 
 
 class Unsupported(Exception):

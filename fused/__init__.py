@@ -19,7 +19,9 @@ Kernel providers are chosen with a context manager, never with extra arguments::
 
 Parity-engine hooks (``parity/impls.py``), so that ``--impl fused --provider auto|torch|cudnn`` works as is:
 ``use_backend(provider=..., require=...)``, ``available_providers()`` (``{name: None or why not}``, best first: the
-usable names on a CPU machine are ``["torch"]``) and ``executed()`` (``{stage: provider}`` of the last block).
+usable names on a CPU machine are ``["torch"]``) and ``executed()`` (``{stage: provider}`` of the last block), and
+``topk_tie_rule(record)`` (the declared top-k tie rule of the providers that ran ``indexer_top_k``: ``lower-index``
+for ``torch``, ``arbitrary`` for ``cudnn``).
 
 Observation: ``with fused.observe_kernels(observer): ...`` runs every kernel call inside
 ``observer(stage, provider_name)`` (a context manager) — timers, counters and profiler ranges attach there.
@@ -34,8 +36,8 @@ from .core_attention import compressor, core_attention
 from .indexer import indexer
 from .layer import attention_layer
 from .plan import (BackendError, BackendUnavailable, Plan, StageUnsupported, available_providers, current_plan,
-                   executed, observe_kernels, register_provider, use_backend)
+                   executed, observe_kernels, register_provider, topk_tie_rule, use_backend)
 
 __all__ = ["BackendError", "BackendUnavailable", "Plan", "StageUnsupported", "attention_layer", "available_providers",
            "compressor", "core_attention", "current_plan", "executed", "indexer", "observe_kernels",
-           "register_provider", "use_backend"]
+           "register_provider", "topk_tie_rule", "use_backend"]

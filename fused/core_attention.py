@@ -21,6 +21,7 @@ from cases.config import ModelConfig
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 from cases.outputs import AttentionOutput
+from cases.selection import check_topk_selection
 
 from . import ops
 from .compressor import compress_sbhd, compress_thd
@@ -166,19 +167,6 @@ def public_output(res: CoreResult, out: Tensor, q: Tensor, thd: Optional[ThdMeta
                            index_scores=res.scores)
 
 
-def check_split_topk(topk_indices: Optional[Tensor], config: ModelConfig, lead: tuple) -> None:
-    if topk_indices is None:
-        return
-    if not config.has_indexer:
-        raise CaseError("topk_indices", "given, but this layer has no indexer")
-    if topk_indices.is_floating_point() or tuple(topk_indices.shape[:-1]) != tuple(lead):
-        raise CaseError("topk_indices", f"must be integer [{', '.join(map(str, lead))}, K], got {topk_indices.dtype} "
-                                        f"{tuple(topk_indices.shape)}")
-    if topk_indices.shape[-1] > config.dsa_indexer_topk:
-        raise CaseError("topk_indices",
-                        f"has {topk_indices.shape[-1]} columns, more than K = {config.dsa_indexer_topk}")
-
-
 def _check_core_inputs(query, kv, hidden, q_latent, config: ModelConfig, packed: bool) -> tuple:
     c = config
     lead = tuple(query.shape[:1] if packed else query.shape[:2])
@@ -199,7 +187,7 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
     ``q_latent``; BSHD ``[B, S, ...]`` or THD ``[T, ...]``. Returns ``out [.., n, D]`` (before inverse RoPE)."""
     packed = packed_seq_params is not None
     lead = _check_core_inputs(query, kv, hidden, q_latent, config, packed)
-    check_split_topk(topk_indices, config, lead)
+    check_topk_selection(topk_indices, config, lead, packed_seq_params)
     if packed:
         thd = ThdMeta.from_params(packed_seq_params, query.shape[0])
         q, k, x, qr = query, kv, hidden, q_latent

@@ -12,9 +12,10 @@ from cases.config import ModelConfig
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 from cases.outputs import AttentionOutput
+from cases.selection import check_topk_selection
 
 from . import ops
-from .core_attention import check_split_topk, public_output, run_core
+from .core_attention import public_output, run_core
 from .rows import RowSpace
 from .thd import ThdMeta
 
@@ -31,7 +32,7 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
     if hidden.dim() != len(lead) + 1 or hidden.shape[-1] != c.hidden_size:
         raise CaseError("hidden", f"has shape {tuple(hidden.shape)}, expected [{'T' if packed else 'B, S'}, "
                                   f"{c.hidden_size}]")
-    check_split_topk(topk_indices, c, lead)
+    check_topk_selection(topk_indices, c, lead, packed_seq_params)
     if packed:
         thd = ThdMeta.from_params(packed_seq_params, hidden.shape[0])
         x, rows_pos = hidden, thd.positions()
@@ -58,5 +59,15 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
     o = o.reshape(o.shape[:-2] + (groups, n * d // groups))
     w_group = params["linear_o_group_proj"].view(groups, rank, n * d // groups).to(o.dtype)
     o = torch.einsum("...gd,grd->...gr", o, w_group).reshape(o.shape[:-2] + (groups * rank,))
-    y = ops.linear(o, params["linear_proj.weight"])
+    y = padding_rows_pass_no_gradient(ops.linear(o, params["linear_proj.weight"]), rows)
     return public_output(res, y if packed else y.transpose(0, 1), q, thd)
+
+
+def padding_rows_pass_no_gradient(y: Tensor, rows: RowSpace) -> Tensor:
+    """The layer output ``y [T, Hd]`` with THD padding rows (alignment padding, dummy tail, slack) detached: they
+    keep their forward values, but an output gradient on them reaches no weight (``linear_proj``,
+    ``linear_o_group_proj``) and no input. A ``where`` on the device mask, no host branch (CUDA-graph safe). BSHD
+    has no padding rows: ``y`` as is."""
+    if rows.padding is None:
+        return y
+    return torch.where(rows.padding.unsqueeze(-1), y.detach(), y)

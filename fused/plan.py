@@ -221,6 +221,17 @@ def use_backend(provider: Union[str, Mapping[str, str]] = "auto", require: tuple
         _CURRENT.reset(token)
 
 
+def topk_tie_rule(record: Mapping[str, str]) -> str:
+    """The top-k tie rule of a run with plan ``record``: ``"lower-index"`` when every provider that ran
+    ``indexer_top_k`` declares it (:attr:`KernelSet.topk_tie_rule`), else ``"arbitrary"`` (also when no top-k
+    ran). The parity engine's hook (``parity/impls.py``)."""
+    ran = [n for n in str(record.get("indexer_top_k", "")).split("+") if n]
+    providers = [load_provider(n)[0] for n in ran]
+    if ran and all(p is not None and p.topk_tie_rule == "lower-index" for p in providers):
+        return "lower-index"
+    return "arbitrary"
+
+
 def executed() -> dict[str, str]:
     """``{stage: provider}`` that ran in the most recently opened :func:`use_backend` block (empty if none)."""
     return dict(_LAST[0].record) if _LAST else {}

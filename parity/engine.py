@@ -12,7 +12,15 @@ Sign-split (:mod:`parity.sign_split`): for float32 / bf16 training cases with an
 also take the implementation's indexer ReLU pattern (observed through its public API) where their own product is
 ambiguously near 0, so a rounding-flipped sign can neither fake nor hide an indexer-gradient difference.
 
-The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`).
+The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`), and, on
+exactly tied rows, by the implementation's declared tie rule (:meth:`Implementation.tie_rule`).
+
+On a layer with a compressor or an indexer, the public ``compressor()`` / ``indexer()`` of both run too and join
+the snapshots as ``api/*`` tensors (:mod:`parity.api_check`).
+
+When ``dO`` is non-zero on some THD padding row (core scope, ``padding_dout="poison"`` cases), the implementation
+runs a second time with ``dO`` on the padding rows only and no loss term: every gradient must be exactly 0 (tensor
+``contract/padding_dout``, rule ``contract``, :mod:`parity.padding_dout`).
 
 Outcomes: ``pass`` / ``fail`` (numeric or structural), ``error`` (an exception, e.g. a CUDA fault, or a crashed
 worker), ``unsupported`` (the implementation declined the case: ``cases.vocabulary.Unsupported`` or
@@ -34,6 +42,7 @@ from cases.case import Case
 from cases.coverage import features
 from cases.tensors import materialize
 
+from . import api_check, padding_dout
 from . import policy as policy_mod
 from . import sign_split, structure, verdict
 from .impls import Implementation, is_unsupported, policy_provider
@@ -149,6 +158,13 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
         stage = f"{impl.name} run"
         with clock("impl"):
             impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
+            contract_leaks = None
+            if padding_dout.padding_dout_nonzero(tensors):
+                stage = f"{impl.name} run with dO on padding rows only"
+                contract_leaks = padding_dout.leaks(take_snapshot(impl.api, case,
+                                                                  padding_dout.padding_dout_only(tensors),
+                                                                  context=impl.context(provider, options.require),
+                                                                  with_loss=False))
         result.plan = impl_snap.record or {}
         stage, pattern = f"{impl.name} activation pattern", None
         if sign_split.applies(case):
@@ -159,6 +175,8 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern)
         if pattern is None and sign_split.applies(case):
             note = "; ".join(filter(None, (note, "no sign-split (activation pattern over sign_split.max_elements)")))
+        stage = "public compressor / indexer"
+        api_runs(case, impl, against, tensors, provider, options.require, impl_snap, truth, noise, clock)
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
@@ -170,7 +188,10 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             problems = structure.check(case, tensors, impl_snap, noise, truth)
             case_problems = problems.pop("*", [])
             tensors_out, report = verdict.judge_case_tensors(case, tensors, impl_snap, truth, noise, problems,
-                                                             policy, policy_provider(impl_snap.record, provider))
+                                                             policy, policy_provider(impl_snap.record, provider),
+                                                             impl.tie_rule(impl_snap.record))
+            if contract_leaks is not None:
+                tensors_out.append(verdict.contract_tensor(contract_leaks))
             outcome, decided_by, first, message = verdict.case_decision(tensors_out, case_problems)
     except Exception as exc:  # noqa: BLE001 — a comparison crash is the harness's error, reported as such
         return finish("error", "error", f"comparison: {one_line(exc)} [{_where(exc)}]")
@@ -225,6 +246,23 @@ def reference_runs(case: Case, against: Implementation, tensors, split: Optional
     return truth, noise, note
 
 
+def api_runs(case: Case, impl: Implementation, against: Implementation, tensors, provider: str,
+             require: Optional[str], impl_snap, truth, noise, clock=None) -> None:
+    """Add the public compressor / indexer outputs (:mod:`parity.api_check`) of ``impl`` and of ``against``
+    (float64 truth and same-dtype noise) to the snapshots, when the layer has them and both implementations
+    expose them."""
+    if not (api_check.applies(case) and api_check.has_api(impl.api) and api_check.has_api(against.api)):
+        return
+    clock = clock or (lambda phase: contextlib.nullcontext())
+    with clock("impl"):
+        api_check.merge(impl_snap, api_check.run_api(impl.api, case, tensors, context=impl.context(provider, require)))
+    with clock("reference"):
+        truth_api = api_check.run_api(against.api, case, tensors, upcast=True)
+        api_check.merge(truth, truth_api)
+        if noise is not truth:
+            api_check.merge(noise, api_check.run_api(against.api, case, tensors))
+
+
 def snapshots(case: Case, impl: Implementation, against: Implementation, options: RunOptions) -> tuple:
     """``(tensors, impl, truth, noise)`` snapshots of a case, for tests and interactive digging (raises)."""
     provider = impl.resolve_provider(options.provider)
@@ -232,6 +270,7 @@ def snapshots(case: Case, impl: Implementation, against: Implementation, options
     impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
     pattern = observe_pattern(case, impl, tensors, provider, options, policy_mod.default())
     truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern)
+    api_runs(case, impl, against, tensors, provider, options.require, impl_snap, truth, noise)
     return tensors, impl_snap, truth, noise
 
 

@@ -3,9 +3,14 @@
 An implementation is an object (usually a module) exposing the public API of ARCHITECTURE.md
 (``attention_layer``, ``core_attention``). One with kernel providers also satisfies :class:`ProviderHooks`
 (``fused``'s conventions). Without them the provider is ignored (the reference has none; its provider reads
-``"none"``). Another optional hook, looked up by
-name: ``use_activation_pattern(active, window)``, a context manager differentiating the indexer's ReLU at another
-implementation's activation pattern (sign-split, :mod:`parity.sign_split`; the reference has it).
+``"none"``). Optional hooks, looked up by name:
+
+* ``use_activation_pattern(active, window)`` — a context manager differentiating the indexer's ReLU at another
+  implementation's activation pattern (sign-split, :mod:`parity.sign_split`; the reference has it);
+* ``topk_tie_rule(record)`` — the declared top-k tie rule of a run (``parity.topk.TIE_RULES``) given its plan
+  record; without it the attribute ``TOPK_TIE_RULE``; without either ``"arbitrary"`` (only the value-based
+  top-k protocol applies). ``reference`` declares ``lower-index``; ``fused`` per provider (``torch``:
+  ``lower-index``, ``cudnn``: ``arbitrary``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Protocol, Union, runtime_checkable
 
 from cases.vocabulary import Unsupported
+
+from .topk import TIE_RULES
 
 BUILTIN = {"reference": "reference", "fused": "fused"}
 
@@ -77,6 +84,19 @@ class Implementation:
         if known.get(provider):
             raise ImplError(f"provider {provider!r} is unavailable here: {known[provider]}")
 
+    def optional_hook(self, name: str) -> Optional[Callable]:
+        """The implementation's callable ``name`` (module docstring), or None."""
+        fn = getattr(self.api, name, None)
+        return fn if callable(fn) else None
+
+    def tie_rule(self, record: Optional[dict] = None) -> str:
+        """The declared top-k tie rule of a run with plan ``record`` (module docstring)."""
+        fn = self.optional_hook("topk_tie_rule")
+        rule = fn(record or {}) if fn is not None else getattr(self.api, "TOPK_TIE_RULE", "arbitrary")
+        if rule not in TIE_RULES:
+            raise ImplError(f"{self.name} declares top-k tie rule {rule!r} (known: {', '.join(TIE_RULES)})")
+        return rule
+
     def context(self, provider: str, require: Optional[str] = None) -> Callable[[], ContextManager]:
         hooks = self.hooks
         if hooks is None or provider == "none":
@@ -87,8 +107,8 @@ class Implementation:
 
     def activation_context(self, active, window: float) -> Optional[Callable[[], ContextManager]]:
         """Sign-split context factory for ``active``, or None if this implementation has no such hook."""
-        fn = getattr(self.api, "use_activation_pattern", None)
-        return None if not callable(fn) else (lambda: fn(active, window))
+        fn = self.optional_hook("use_activation_pattern")
+        return None if fn is None else (lambda: fn(active, window))
 
 
 def policy_provider(record: Optional[dict], requested: str) -> str:

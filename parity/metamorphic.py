@@ -8,6 +8,9 @@ oracle                 property                                                 
                        per-segment loss coefficient scaled by ``L_b / ΣL`` for the mean reduction)
 ``padding-poison``     scaling every padding / slack row of the inputs by 1e3 changes nothing on real rows   exact
                        (forward, loss, every gradient), and padding-row input gradients stay exactly 0
+``padding-dout``       a huge random output gradient on every padding row (alignment padding, dummy tail,     exact
+                       slack) changes nothing: real-row forward tensors, the loss and every gradient (in
+                       full) bit-identical to the run with dO zeroed there (:mod:`parity.padding_dout`)
 ``unpadded``           the poisoned padded pack equals the same segments packed without padding or slack     ulp
 ``capacity``           a compressed-row capacity (``total_comp_capacity``) equals the exact count            ulp
 ``identical-segments`` segments whose leading rows are equal give equal rows (causality: equal prefixes →     ulp
@@ -39,13 +42,14 @@ import torch
 from cases.case import Case
 from cases.coverage import features
 from cases.layout import BshdLayout, ThdLayout
-from cases.tensors import CaseTensors, materialize
+from cases.tensors import DOUT_POISON, CaseTensors, materialize
 
 from . import graph_replay
 from . import metrics
 from . import policy as policy_mod
 from .engine import RunOptions, _where, one_line
 from .impls import Implementation, is_unsupported
+from .padding_dout import compared
 from .results import CaseResult
 from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, take_snapshot, tensor_class
 from .verdict import MetricRow, TensorResult
@@ -207,6 +211,15 @@ def _padding_poison(case: Case, runner, ulps: float) -> list:
     return out
 
 
+def _padding_dout(case: Case, runner, ulps: float) -> list:
+    clean_T = materialize(case, runner.device, dout_padding_scale=0.0)
+    poison_T = materialize(case, runner.device, dout_padding_scale=DOUT_POISON)
+    clean, poison = runner(case, clean_T), runner(case, poison_T)
+    mask = clean_T.real_rows.cpu()
+    return [compare(name, case, compared(name, poison[name], mask), compared(name, clean[name], mask), "exact", ulps)
+            for name in dict.fromkeys(clean.names + poison.names)]
+
+
 def _unpadded(case: Case, runner, ulps: float) -> list:
     lay = case.layout
     real = _real_index(case)
@@ -346,7 +359,7 @@ def _thd(case: Case) -> bool:
 
 
 def _has_padding(case: Case) -> bool:
-    return _thd(case) and case.layout.num_real_rows < case.layout.total_tokens
+    return case.has_padding_rows
 
 
 def _multi(case: Case) -> bool:
@@ -357,6 +370,8 @@ ORACLES = {
     "thd-pack": Oracle("thd-pack", "THD pack = its real segments run one by one as BSHD B=1", _thd, _thd_pack),
     "padding-poison": Oracle("padding-poison", "poisoned padding rows change nothing on real rows (bitwise)",
                              _has_padding, _padding_poison),
+    "padding-dout": Oracle("padding-dout", "a huge output gradient on padding rows changes nothing (bitwise)",
+                           _has_padding, _padding_dout),
     "unpadded": Oracle("unpadded", "a padded pack (poisoned) equals the same segments packed without padding",
                        _has_padding, _unpadded),
     "capacity": Oracle("capacity", "a compressed-row capacity equals the exact count",

@@ -30,10 +30,12 @@ ANY = ("",)
 @dataclass(frozen=True)
 class Patch:
     """``target`` = ``"module:attribute"`` or ``"module:Class.method"`` / ``"module:object.attribute"``;
-    ``planted(original) -> replacement``."""
+    ``planted(original) -> replacement``. ``only_here``: replace a module-level function in its own module only
+    (a bug of that module's callers, not of every importer)."""
 
     target: str
     planted: Callable[[Callable], Callable]
+    only_here: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,13 @@ def _kl_unclamped(original: Callable) -> Callable:
     def kl(target, predict, topk):  # every slot, -1 ones included: 0 * (log 0 - log 0) = NaN
         return (target * (torch.log(target) - torch.log(predict))).sum(-1)
     return kl
+
+
+def _tie_break_to_higher(original: Callable) -> Callable:
+    def indexer_top_k(self, *args, **kwargs):
+        kwargs["tie_break"] = 2  # the larger column wins among equal scores
+        return original(self, *args, **kwargs)
+    return indexer_top_k
 
 
 def _replace(value: Callable) -> Callable[[Callable], Callable]:
@@ -169,6 +178,19 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "grads)",
            ("loss=sparse",),
            (Patch("fused.indexer_loss:kl_from_target_predict", _kl_unclamped),)),
+    # ---- the padding-row, tie-rule and public-API contracts (README "What it checks")
+    Mutant("layer_padding_dout_leaks",
+           "layer: THD padding rows' output gradient not detached (reaches linear_proj / linear_o_group_proj)",
+           ("scope=layer padding_dout=poison",),
+           (Patch("fused.layer:padding_rows_pass_no_gradient", _replace(lambda y, rows: y)),)),
+    Mutant("topk_tie_to_higher_index",
+           "torch provider top-k: among equal scores the higher compressed index wins (declared: the lower one)",
+           ("ratio=4 dense_mode=false topk_saturated=true dtype=float64", "ratio=4 dense_mode=false topk_saturated=true"),
+           (Patch("fused.kernels.torch_provider:TorchKernels.indexer_top_k", _tie_break_to_higher),)),
+    Mutant("indexer_api_no_sigma",
+           "public fused.indexer(): scores without the indexer softmax scale sigma_I (same top-k)",
+           ("ratio=4 dense_mode=false",),
+           (Patch("fused.indexer:fold_indexer_scale", _replace(lambda w, scale: w), only_here=True),)),
 )}
 
 _ACTIVE: frozenset[str] = frozenset()
@@ -230,7 +252,8 @@ def _planted(mutant: Mutant) -> Iterator[None]:
                 _REACHED.add(mutant.name)
                 return _variant(*args, **kwargs)
 
-            for holder, name in _holders(owner, attr, original):
+            holders = [(owner, attr)] if patch.only_here else _holders(owner, attr, original)
+            for holder, name in holders:
                 had = name in vars(holder)
                 undo.append((holder, name, had, vars(holder).get(name)))
                 setattr(holder, name, replacement)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from cases.errors import CaseError
-from cases.vocabulary import TENSOR_CLASSES
+from cases.vocabulary import TOLERANCED_CLASSES
 
 POLICY_PATH = Path(__file__).with_name("policy.json")
 THRESHOLD_KEYS = ("noise_floor_ratio", "ulps", "cosine_eps", "tensor_sim_eps", "rmse_ratio", "scale_ratio")
@@ -158,8 +158,8 @@ def validate(data: Any, where: str = "policy") -> None:
     if not isinstance(data, Mapping) or not isinstance(data.get("classes"), Mapping):
         raise CaseError(f"{where}.classes", "missing or not an object")
     for cls, by_dtype in data["classes"].items():
-        if cls not in TENSOR_CLASSES:
-            raise CaseError(f"{where}.classes.{cls}", f"unknown tensor class (known: {', '.join(TENSOR_CLASSES)})")
+        if cls not in TOLERANCED_CLASSES:
+            raise CaseError(f"{where}.classes.{cls}", f"unknown tensor class (known: {', '.join(TOLERANCED_CLASSES)})")
         for dtype, by_provider in by_dtype.items():
             for provider, entry in by_provider.items():
                 at = f"{where}.classes.{cls}.{dtype}.{provider}"
@@ -178,7 +178,7 @@ def validate(data: Any, where: str = "policy") -> None:
             raise CaseError(f"{where}.sign_split.{key}", "unknown key (known: window_ulps, max_elements)")
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise CaseError(f"{where}.sign_split.{key}", f"must be a non-negative number, got {value!r}")
-    for cls in TENSOR_CLASSES:
+    for cls in TOLERANCED_CLASSES:
         if cls not in data["classes"]:
             raise CaseError(f"{where}.classes.{cls}", "missing tensor class")
     if "kernels" in data:

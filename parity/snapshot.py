@@ -6,6 +6,10 @@ Tensor names (the ``tensor`` field of the results rows), in report order::
     grad/<input>   for each input (layer: hidden; core: query, kv, hidden, q_latent),
     grad/<param>   for each parameter by its production name (cases.tensors.parameter_shapes order).
 
+The engine adds the public API's outputs (:mod:`parity.api_check`): ``api/compressor``, ``api/indexer.compressor``,
+``api/indexer.index_scores``, ``api/indexer.topk_indices`` (the last two judged like their layer counterparts,
+:func:`role`).
+
 A value is ``None`` when the implementation returned none (no indexer, no loss, an unused gradient). The gradients
 are those of ``AttentionOutput.objective(dO) = sum(out · dO) + indexer_loss``.
 """
@@ -27,6 +31,21 @@ FORWARD_NAMES = ("out", "lse", "index_scores", "topk_indices", "indexer_loss")
 INPUT_ORDER = ("query", "kv", "hidden", "q_latent")
 
 
+API_INDEXER = "api/indexer."
+#: Public-API compressor outputs: activations, judged with the ``out`` tolerances.
+API_COMPRESSORS = ("api/compressor", "api/indexer.compressor")
+
+
+def role(name: str) -> str:
+    """The layer tensor a public-API tensor stands for (``api/indexer.topk_indices`` -> ``topk_indices``)."""
+    return name[len(API_INDEXER):] if name.startswith(API_INDEXER) else name
+
+
+def scores_of(topk_name: str) -> str:
+    """The scores tensor a selection is judged against (``topk_indices`` -> ``index_scores``, same prefix)."""
+    return topk_name[:-len("topk_indices")] + "index_scores"
+
+
 def tensor_class(name: str) -> str:
     """The policy class of a tensor name: ``out lse index_scores topk loss grad_input grad_param grad_indexer``.
 
@@ -34,7 +53,11 @@ def tensor_class(name: str) -> str:
     from the KL loss through ``ReLU(qI·kI)``, whose derivative jumps where bf16 rounding flips the sign of a product
     near 0; the engine removes those flips by sign-split (:mod:`parity.sign_split`), and the class records its own
     measured worst cases in ``parity/policy.json``.
+    Public-API tensors take the class of the tensor they stand for (:func:`role`; compressor outputs ``out``).
     """
+    if name in API_COMPRESSORS:
+        return "out"
+    name = role(name)
     if name == "topk_indices":
         return "topk"
     if name == "indexer_loss":
@@ -48,6 +71,7 @@ def tensor_class(name: str) -> str:
 
 def is_row_tensor(name: str) -> bool:
     """Tensors whose leading dims are the token rows (``[B, S]`` or ``[T]``)."""
+    name = role(name)
     return name in ("out", "lse", "index_scores", "topk_indices") or (
         name.startswith("grad/") and name[5:] in INPUT_ORDER)
 
@@ -83,12 +107,13 @@ def _call(module, case: Case, inputs: dict, params: dict, psp, topk_indices) -> 
 
 def take_snapshot(module, case: Case, tensors: CaseTensors, *, upcast: bool = False,
                   topk_indices: Optional[torch.Tensor] = None,
-                  context: Callable[[], ContextManager] = contextlib.nullcontext) -> Snapshot:
+                  context: Callable[[], ContextManager] = contextlib.nullcontext, with_loss: bool = True) -> Snapshot:
     """Run ``module.attention_layer`` / ``core_attention`` forward and backward on fresh leaves.
 
     ``upcast``: run on the float64 upcast of the case tensors (the truth run: the case-dtype values, exactly);
     else on copies in the case dtype (``attn_sink`` / ``ape`` stay fp32 in bf16 as materialised).
     ``topk_indices``: split mode (the reference with the implementation's selection).
+    ``with_loss=False``: the gradients of ``sum(out · dO)`` alone (the indexer loss left out of the objective).
     """
     dtype = torch.float64 if upcast else None
     inputs = {n: _leaf(t, dtype) for n, t in tensors.inputs.items()}
@@ -108,7 +133,7 @@ def take_snapshot(module, case: Case, tensors: CaseTensors, *, upcast: bool = Fa
 
     with context() as handle:
         result = _call(module, case, inputs, params, psp, topk_indices)
-        objective = result.objective(d_out)
+        objective = (result if with_loss else dataclasses.replace(result, indexer_loss=None)).objective(d_out)
         grads = torch.autograd.grad(objective, leaves, allow_unused=True) if objective.requires_grad else \
             [None] * len(leaves)
     record = getattr(handle, "record", None)

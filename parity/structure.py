@@ -23,7 +23,7 @@ from cases.case import Case
 from cases.tensors import CaseTensors
 
 from .location import first_where, row_mask
-from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, other_rows, real_rows
+from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, other_rows, real_rows, role, scores_of
 
 
 def _fmt_dtype(x: torch.Tensor) -> str:
@@ -94,13 +94,13 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
         if a.dtype != e.dtype:
             problems[name].append(f"dtype {_fmt_dtype(a)} != reference {_fmt_dtype(e)}")
         a = a.detach().cpu()
-        if name == "topk_indices":
+        if role(name) == "topk_indices":
             continue  # below, needs the scores
         if a.is_floating_point() and torch.isnan(a).any() and name != "out" and name != "lse":
             problems[name].append(f"{int(torch.isnan(a).sum())} NaN values"
                                   + first_where(case, name, torch.isnan(a), is_row_tensor(name)))
             continue
-        if name in ("out", "lse"):
+        if role(name) in ("out", "lse"):
             ar = real_rows(a, mask)
             if not torch.isfinite(ar).all():
                 problems[name].append(f"{int((~torch.isfinite(ar)).sum())} non-finite values on real rows"
@@ -110,7 +110,7 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
                 want = 0.0 if name == "out" else float("-inf")
                 if not bool((sr == want).all()):
                     problems[name].append(f"slack rows (past the last boundary) are not {want:g}")
-        elif name == "index_scores":
+        elif role(name) == "index_scores":
             t = truth[name]
             if t is not None:
                 fa, ft = torch.isfinite(real_rows(a, mask)), torch.isfinite(real_rows(t.cpu(), mask))
@@ -129,13 +129,15 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
                                       "non-zero elements" + first_where(case, name, (a != 0) & ~row_mask(mask, a), True)
                                       + ")")
 
-    idx, scores = impl["topk_indices"], truth["index_scores"]
-    if idx is not None and not problems.get("topk_indices"):
+    for name in [n for n in impl.names if role(n) == "topk_indices"]:
+        idx, scores = impl[name], truth[scores_of(name)]
+        if idx is None or problems.get(name):
+            continue
         if scores is None:
-            problems["topk_indices"].append("the reference returned no index_scores to check the selection against")
+            problems[name].append(f"the reference returned no {scores_of(name)} to check the selection against")
         else:
             k = case.config.dsa_indexer_topk
             ir = real_rows(idx.cpu(), mask)
             sr = real_rows(scores.cpu().to(torch.float64), mask)
-            problems["topk_indices"] += topk_problems(ir.reshape(ir.shape[0], -1) if ir.dim() > 1 else ir, sr, k)
+            problems[name] += topk_problems(ir.reshape(ir.shape[0], -1) if ir.dim() > 1 else ir, sr, k)
     return {k: v for k, v in problems.items() if v}

@@ -13,6 +13,11 @@ Per query row, with the float64 reference scores ``r`` (``-inf`` where not causa
   - *tied* row: the selection is compared by **gathered values** — the sorted reference scores of the selected
     columns must match the sorted top-K reference scores within ``2δ`` each.
 
+* *exactly tied* row (the implementation's own scores ``a`` have ``a_(K) == a_(K+1)``): an implementation that
+  **declares** the tie rule ``lower-index`` (:data:`TIE_RULES`; ``reference``, ``fused``'s torch provider) must
+  select exactly what that rule gives on ``a``; one that declares ``arbitrary`` (production kernels: cuDNN top-k,
+  ``torch.topk``) is held to the value-based rule above only.
+
 :func:`compare` returns a :class:`TopkReport` with the row counts per regime (the ``topk`` field of the ``case``
 row) and the first mismatch. Structure (width, ``-1`` padding, ascending order, validity) is checked separately by
 :mod:`parity.structure`; this module assumes a structurally valid selection.
@@ -28,6 +33,10 @@ import torch
 
 from .metrics import eps
 
+#: Declared top-k tie behaviour: ``lower-index`` = among equal scores the lower compressed index wins, always
+#: (deterministic); ``arbitrary`` = any of the tied columns (production kernels).
+TIE_RULES = ("lower-index", "arbitrary")
+
 
 @dataclass
 class TopkReport:
@@ -37,15 +46,19 @@ class TopkReport:
     mismatched_clear: int = 0
     mismatched_tied: int = 0
     worst_gap_ratio: float = 0.0  # max over tied rows of (value gap / 2δ); ≤ 1 passes
+    exact_tied: int = 0            # rows exactly tied at the K boundary in the implementation's own scores
+    mismatched_tie_rule: int = 0   # of those, rows whose selection breaks the declared tie rule
+    tie_rule: str = "arbitrary"
     first_failure: Optional[str] = None
 
     @property
     def passed(self) -> bool:
-        return self.mismatched_clear == 0 and self.mismatched_tied == 0
+        return self.mismatched_clear == 0 and self.mismatched_tied == 0 and self.mismatched_tie_rule == 0
 
     def summary(self) -> dict:
         """The ``topk`` field of the results ``case`` row."""
-        return {"clear": self.clear, "tied": self.tied, "rows": self.rows}
+        return {"clear": self.clear, "tied": self.tied, "rows": self.rows, "exact_tied": self.exact_tied,
+                "tie_rule": self.tie_rule}
 
 
 def reference_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -67,15 +80,35 @@ def reference_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def _descending(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``scores [R, C]`` sorted descending, padded with ``-inf`` so that column ``k`` (the (K+1)-th) exists."""
+    R, C = scores.shape
+    fill = torch.full((R, max(k + 1 - C, 1)), -math.inf, dtype=torch.float64)
+    return torch.cat([torch.sort(scores, dim=1, descending=True).values, fill], 1)
+
+
+def tie_rule_mismatches(impl_idx: torch.Tensor, impl_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(exactly tied rows, rows breaking the lower-index rule)``, bool ``[R]`` each: rows whose own scores
+    ``impl_scores [R, C]`` (float64, ``-inf`` invalid) tie exactly at the K boundary, and those of them whose
+    selection ``impl_idx`` is not :func:`reference_topk` of those scores."""
+    scores = torch.where(torch.isnan(impl_scores), -math.inf, impl_scores)
+    top = _descending(scores, k)
+    exact = (torch.isfinite(scores).sum(1) > k) & (top[:, k - 1] == top[:, k])
+    return exact, exact & (impl_idx != reference_topk(scores, k)).any(1)
+
+
 def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optional[torch.Tensor],
             noise_scores: Optional[torch.Tensor], k: int, score_dtype: torch.dtype, ulps: float = 2.0,
-            margin_factor: float = 1.0) -> TopkReport:
+            margin_factor: float = 1.0, tie_rule: str = "arbitrary") -> TopkReport:
     """Compare the implementation's selection ``impl_idx [R, k]`` with the reference scores ``ref_scores [R, C]``.
 
     ``impl_scores`` / ``noise_scores``: the implementation's and the same-dtype reference's scores ``[R, C]``
-    (either may be None). All score tensors float64, ``-inf`` where invalid.
+    (either may be None). All score tensors float64, ``-inf`` where invalid. ``tie_rule``: the implementation's
+    declared rule (:data:`TIE_RULES`), enforced on its exactly tied rows when ``impl_scores`` is given.
     """
-    rep = TopkReport(rows=int(ref_scores.shape[0]))
+    if tie_rule not in TIE_RULES:
+        raise ValueError(f"unknown top-k tie rule {tie_rule!r} (known: {', '.join(TIE_RULES)})")
+    rep = TopkReport(rows=int(ref_scores.shape[0]), tie_rule=tie_rule)
     if rep.rows == 0:
         return rep
     R, C = ref_scores.shape
@@ -95,9 +128,7 @@ def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optio
     observed = torch.maximum(row_err(impl_scores), row_err(noise_scores))
     delta = margin_factor * (observed + ulps * eps(score_dtype) * scale)
 
-    # descending scores, padded with -inf so that the (K+1)-th always exists
-    fill = torch.full((R, max(k + 1 - C, 1)), -math.inf, dtype=torch.float64)
-    sorted_desc = torch.cat([torch.sort(ref_scores, dim=1, descending=True).values, fill], 1)
+    sorted_desc = _descending(ref_scores, k)
     margin = torch.where(n_valid > k, sorted_desc[:, k - 1] - sorted_desc[:, k],
                          torch.full((R,), math.inf, dtype=torch.float64))
     clear = margin > 2 * delta
@@ -121,6 +152,10 @@ def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optio
     rep.mismatched_tied = int(tied_bad.sum())
     if rep.tied:
         rep.worst_gap_ratio = float(ratio[~clear].max())
+    rule_bad = torch.zeros(R, dtype=torch.bool)
+    if tie_rule == "lower-index" and impl_scores is not None and k > 0:
+        exact, rule_bad = tie_rule_mismatches(impl_idx, impl_scores, k)
+        rep.exact_tied, rep.mismatched_tie_rule = int(exact.sum()), int(rule_bad.sum())
 
     if rep.mismatched_clear:
         row = int(set_mismatch.nonzero()[0, 0])
@@ -131,4 +166,11 @@ def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optio
         row = int(tied_bad.nonzero()[0, 0])
         rep.first_failure = (f"row {row} (near-tie, margin {float(margin[row]):.3g}): selected values differ from the "
                              f"top-{k} by {float(gap[row]):.3g} > 2·noise {float(tol[row]):.3g}")
+    elif rep.mismatched_tie_rule:
+        row = int(rule_bad.nonzero()[0, 0])
+        want = reference_topk(torch.where(torch.isnan(impl_scores[row:row + 1]), -math.inf,
+                                          impl_scores[row:row + 1]), k)[0]
+        rep.first_failure = (f"row {row} (exact tie at the K boundary in its own scores): selected "
+                             f"{impl_idx[row].tolist()} but its declared tie rule (lower index wins) selects "
+                             f"{want.tolist()}")
     return rep

@@ -14,7 +14,10 @@ Rules, evaluated in this order; a tensor fails at the first rule it breaks, and 
                    first-order detector of a systematic scale bias that the max-abs rule can miss in bf16; not
                    for tensors under the per-element rule, whose "scale" is just their value).
 
-Top-k selections use rule ``tie_margin`` (:mod:`parity.topk`) after ``structure``.
+Top-k selections use rule ``tie_margin`` (:mod:`parity.topk`) after ``structure``. Rule ``contract`` (tensor
+``contract/padding_dout``, :mod:`parity.padding_dout`) is structural too: the output gradient of the padding rows
+alone reached a gradient of the implementation; it ranks right after ``structure``, so a leak decides the case as a contract
+violation, not as a numerics difference.
 
 A passing tensor reports the rule that *bound* it (its highest tolerance usage). A case fails if any tensor fails;
 its ``decided_by`` is the earliest rule that failed any tensor (else the rule that bound the case).
@@ -34,10 +37,11 @@ from cases.tensors import CaseTensors
 from . import metrics
 from . import topk as topk_protocol
 from .location import where_worst
+from .padding_dout import TENSOR, verdict_message
 from .policy import Policy, Tolerance
-from .snapshot import Snapshot, is_row_tensor, real_rows, tensor_class
+from .snapshot import Snapshot, is_row_tensor, real_rows, role, scores_of, tensor_class
 
-RULES = ("structure", "noise_floor", "similarity", "aggregate", "tie_margin")
+RULES = ("structure", "contract", "noise_floor", "similarity", "aggregate", "tie_margin")
 
 # gating metric -> (rule, policy attribute, kind); kind "max" = value <= threshold, "floor" = value >= 1 - eps
 GATES = {
@@ -149,9 +153,10 @@ def _restrict(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: Snapshot, noise: Snapshot,
-                       problems: dict, policy: Policy,
-                       provider: str) -> tuple[list, Optional[topk_protocol.TopkReport]]:
-    """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer)."""
+                       problems: dict, policy: Policy, provider: str,
+                       tie_rule: str = "arbitrary") -> tuple[list, Optional[topk_protocol.TopkReport]]:
+    """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer). ``tie_rule``: the
+    implementation's declared top-k tie rule (:data:`parity.topk.TIE_RULES`)."""
     mask = tensors.real_rows.cpu()
     results, report = [], None
     for name in dict.fromkeys(truth.names + impl.names):
@@ -166,12 +171,13 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
             continue
         if a is None or r is None:
             continue  # absent in both (checked by structure)
-        if name == "topk_indices":
-            report = _judge_topk(case, a, truth, noise, impl, mask, policy, base, results)
+        if role(name) == "topk_indices":
+            rep = _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule)
+            report = rep if name == "topk_indices" else report  # the case row's summary: the layer's selection
             continue
         ar, rr, pr = _restrict(name, a, mask), _restrict(name, r, mask), _restrict(name, p, mask)
         nan = int(torch.isnan(ar).sum())
-        if name == "index_scores":  # compare where causally valid (the -inf pattern is a structure rule)
+        if role(name) == "index_scores":  # compare where causally valid (the -inf pattern is a structure rule)
             keep = torch.isfinite(rr)
             inf = int(torch.isinf(ar[keep]).sum())
             ar, rr, pr = ar[keep], rr[keep], pr[keep]
@@ -187,12 +193,12 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
     return results, report
 
 
-def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results):
+def _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule):
     k = case.config.dsa_indexer_topk
-    scores = truth["index_scores"]
+    scores = truth[scores_of(name)]
     rs = real_rows(metrics.as_f64(scores), mask)
-    ps = noise["index_scores"]
-    ims = impl["index_scores"]
+    ps = noise[scores_of(name)]
+    ims = impl[scores_of(name)]
     knobs = policy.topk(case.dtype)
     score_dtype = torch.float64 if case.dtype == "float64" else torch.float32
     idx = real_rows(a.cpu().to(torch.int64), mask)
@@ -200,17 +206,29 @@ def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results):
                                 None if ims is None else real_rows(metrics.as_f64(ims), mask),
                                 None if ps is None else real_rows(metrics.as_f64(ps), mask),
                                 k, score_dtype, ulps=float(knobs.get("ulps", 2)),
-                                margin_factor=float(knobs.get("margin_factor", 1.0)))
+                                margin_factor=float(knobs.get("margin_factor", 1.0)), tie_rule=tie_rule)
     rows = [MetricRow("rows", float(rep.rows)), MetricRow("rows_clear", float(rep.clear)),
             MetricRow("rows_tied", float(rep.tied)),
             MetricRow("frac_tied", rep.tied / rep.rows if rep.rows else 0.0),
             MetricRow("mismatched_clear", float(rep.mismatched_clear), 0.0, rep.mismatched_clear == 0),
             MetricRow("mismatched_tied", float(rep.mismatched_tied), 0.0, rep.mismatched_tied == 0),
-            MetricRow("tied_gap_ratio", rep.worst_gap_ratio, 1.0, rep.worst_gap_ratio <= 1.0)]
-    rows.append(MetricRow("frac_outside", (rep.mismatched_clear + rep.mismatched_tied) / rep.rows if rep.rows else 0.0))
+            MetricRow("tied_gap_ratio", rep.worst_gap_ratio, 1.0, rep.worst_gap_ratio <= 1.0),
+            MetricRow("rows_exact_tied", float(rep.exact_tied)),
+            MetricRow("mismatched_tie_rule", float(rep.mismatched_tie_rule), 0.0, rep.mismatched_tie_rule == 0)]
+    wrong = rep.mismatched_clear + rep.mismatched_tied + rep.mismatched_tie_rule
+    rows.append(MetricRow("frac_outside", min(wrong, rep.rows) / rep.rows if rep.rows else 0.0))
     results.append(TensorResult(**base, verdict="pass" if rep.passed else "fail", rule="tie_margin",
-                                message="" if rep.passed else f"topk_indices: {rep.first_failure}", metrics=rows))
+                                message="" if rep.passed else f"{name}: {rep.first_failure}", metrics=rows))
     return rep
+
+
+def contract_tensor(leaks: list) -> TensorResult:
+    """Tensor ``contract/padding_dout`` from :func:`parity.padding_dout.leaks` (empty: the contract holds)."""
+    rows = [MetricRow("leaking_gradients", float(len(leaks)), 0.0, not leaks),
+            MetricRow("nonzero_elements", float(sum(n for _, n, _ in leaks))),
+            MetricRow("max_abs", max((size for _, _, size in leaks), default=0.0))]
+    return TensorResult(TENSOR, "contract", "none", [], "fail" if leaks else "pass", "contract",
+                        verdict_message(leaks), rows)
 
 
 def case_decision(tensor_results: list, case_problems: list) -> tuple[str, str, Optional[dict], str]:

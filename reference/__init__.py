@@ -14,6 +14,8 @@ Public API (identical names and signatures in ``fused``; see ARCHITECTURE.md)::
     indexer(hidden, q_latent, params, config, packed_seq_params=None)
 
 Beyond it, ``use_activation_pattern(active, window)`` (parity's sign-split hook, :mod:`reference.activation`).
+``TOPK_TIE_RULE``: the declared top-k tie behaviour the parity engine enforces on exactly tied rows
+(``parity/impls.py``): among equal scores the lower compressed index wins, always (a stable sort).
 """
 
 from .activation import use_activation_pattern
@@ -22,4 +24,6 @@ from .core_attention import core_attention
 from .indexer import indexer
 from .layer import attention_layer
 
-__all__ = ["attention_layer", "compressor", "core_attention", "indexer"]  # the mirrored API; not the sign-split hook
+TOPK_TIE_RULE = "lower-index"
+
+__all__ = ["attention_layer", "compressor", "core_attention", "indexer"]  # the mirrored API (not the sign-split hook; TOPK_TIE_RULE: a declaration)

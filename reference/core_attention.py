@@ -17,6 +17,7 @@ from cases.config import INDEXER_RATIO, ModelConfig
 from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 from cases.outputs import AttentionOutput
+from cases.selection import check_topk_selection
 
 from . import activation, thd
 from .compressor import ATTENTION_PREFIX, INDEXER_PREFIX, compress_with_params, compressor
@@ -72,8 +73,10 @@ def core_sequence(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q
     return SequenceResult(out, lse, kl, own_topk, scores)
 
 
-def _check_inputs(query, kv, hidden, q_latent, config: ModelConfig, packed: bool, topk_indices) -> None:
+def _check_inputs(query, kv, hidden, q_latent, config: ModelConfig, psp: Optional[PackedSeqParams], topk_indices
+                  ) -> None:
     c = config
+    packed = psp is not None
     lead = query.shape[:1] if packed else query.shape[:2]
     expect = {"query": (query, lead + (c.num_attention_heads, c.v_head_dim)), "kv": (kv, lead + (c.v_head_dim,)),
               "hidden": (hidden, lead + (c.hidden_size,)), "q_latent": (q_latent, lead + (c.q_lora_rank,))}
@@ -81,15 +84,7 @@ def _check_inputs(query, kv, hidden, q_latent, config: ModelConfig, packed: bool
     for name, (tensor, shape) in expect.items():
         if tuple(tensor.shape) != tuple(shape):
             raise CaseError(name, f"has shape {tuple(tensor.shape)}, expected {tuple(shape)} ({layout})")
-    if topk_indices is not None:
-        if not c.has_indexer:
-            raise CaseError("topk_indices", "given, but this layer has no indexer")
-        if topk_indices.is_floating_point() or tuple(topk_indices.shape[:-1]) != tuple(lead) \
-                or topk_indices.dim() != len(lead) + 1:
-            raise CaseError("topk_indices", f"must be integer [{', '.join(map(str, lead))}, K], "
-                                            f"got {topk_indices.dtype} {tuple(topk_indices.shape)}")
-        if topk_indices.numel() and int(topk_indices.min()) < -1:
-            raise CaseError("topk_indices", "ids must be >= 0, or -1 for padding")
+    check_topk_selection(topk_indices, c, tuple(lead), psp)
 
 
 def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q_latent: torch.Tensor,
@@ -104,7 +99,7 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
     ``topk_indices`` and ``index_scores``. ``topk_indices`` given: the attention and the sparse loss use these ids.
     """
     packed = packed_seq_params is not None
-    _check_inputs(query, kv, hidden, q_latent, config, packed, topk_indices)
+    _check_inputs(query, kv, hidden, q_latent, config, packed_seq_params, topk_indices)
     if packed:
         return _core_thd(query, kv, hidden, q_latent, params, config, packed_seq_params, training, topk_indices)
     compressed = index_keys = None

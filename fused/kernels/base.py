@@ -83,12 +83,16 @@ class KernelSet:
     * ``name`` — registry key (``"torch"``, ``"cudnn"``, ``"flashmla"``);
     * ``stages`` — the subset of :data:`STAGES` it implements;
     * ``topk_alignment`` — the index width ``sparse_attn_fwd`` callers pad to (Megatron's ``_get_topk_alignment``:
-      128 on sm90, 64 on sm100).
+      128 on sm90, 64 on sm100);
+    * ``topk_tie_rule`` — what ``indexer_top_k`` selects among equal scores: ``"lower-index"`` (deterministically
+      the lower column) or ``"arbitrary"`` (any of them: the production radix top-k). The parity engine enforces a
+      declared ``lower-index`` on exactly tied rows (``fused.plan.topk_tie_rule``).
     """
 
     name: str = "abstract"
     stages: frozenset = frozenset()
     topk_alignment: int = 128
+    topk_tie_rule: str = "arbitrary"
 
     # ---- availability / support ------------------------------------------------------------------------------
     @classmethod

@@ -88,6 +88,7 @@ class CudnnKernels(KernelSet):
     sm90 despite production's refusal (measurement only)."""
 
     name = "cudnn"
+    topk_tie_rule = "arbitrary"  # the radix top-k, called with tie_break=0 ("none")
     stages = frozenset({"indexer_forward", "indexer_top_k", "compactify", "sparse_attn_bwd",
                         "sparse_attn_score_recompute", "sparse_indexer_score_recompute", "dense_attn_score_recompute",
                         "dense_indexer_score_recompute", "indexer_backward", "dense_indexer_backward"})

@@ -92,6 +92,7 @@ class TorchKernels(KernelSet):
     name = "torch"
     stages = frozenset(STAGES)
     topk_alignment = 128  # as on sm90 (Megatron ``_get_topk_alignment``)
+    topk_tie_rule = "lower-index"  # a stable sort: the smaller column wins among equal scores
 
     # ================================================================ indexer forward / top-k / compactify ========
     def indexer_forward(self, q, k, w, ratio=4, qhead_per_kv_head=None, sm_scale=1.0, *, cu_seqlens_q=None,

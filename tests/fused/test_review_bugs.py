@@ -1,4 +1,4 @@
-"""The three bugs found in review of the production feature, planted back in (``fused.mutants``): each one makes a
+"""The three bugs found in review of the production feature, planted back in (``parity.mutants``): each one makes a
 harness check fail on the CPU, and the same check passes without it.
 
 1. The THD dense-loss indexer-backward call made without ``max_seqlen_q/k`` — the kernel contract refuses it.

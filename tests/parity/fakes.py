@@ -18,7 +18,8 @@ and, for the metamorphic oracles:
 * ``global_row_term``: ``out`` gets a term in the *packed* row index (per-segment runs see other indices);
 * ``pad_value_leak``: ``out`` gets a term in the mean of ``hidden`` over padding rows;
 * ``capacity_dependent``: ``out`` depends on ``total_comp_capacity``;
-* ``nondeterministic``: ``out`` gets fresh unseeded noise of 1e-6 on every call.
+* ``nondeterministic``: ``out`` gets fresh unseeded noise of 1e-6 on every call;
+* ``pad_dout_leak``: padding rows of ``out`` get a term in ``hidden``, so their dO reaches real rows' gradients.
 """
 
 from __future__ import annotations
@@ -179,6 +180,15 @@ def _term(res, values):
     return res
 
 
+def _real_mask(hidden, psp):
+    """bool ``[T]``: the real rows of a THD pack."""
+    real = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+    for b in range(psp.cu_seqlens_q.numel() - 1):
+        start = int(psp.cu_seqlens_q_padded[b])
+        real[start:start + int(psp.cu_seqlens_q[b + 1] - psp.cu_seqlens_q[b])] = True
+    return real
+
+
 class GlobalRowTerm(Wrapped):
     def after(self, res, hidden, psp):
         rows = torch.arange(hidden.shape[:-1].numel(), device=hidden.device, dtype=torch.float64)
@@ -189,10 +199,7 @@ class PadValueLeak(Wrapped):
     def after(self, res, hidden, psp):
         if psp is None:
             return res
-        real = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        for b in range(psp.cu_seqlens_q.numel() - 1):
-            start = int(psp.cu_seqlens_q_padded[b])
-            real[start:start + int(psp.cu_seqlens_q[b + 1] - psp.cu_seqlens_q[b])] = True
+        real = _real_mask(hidden, psp)
         if real.all():
             return res
         leak = hidden[~real].mean() * 1e-2
@@ -231,3 +238,17 @@ reference_global_row_term = GlobalRowTerm("reference")
 reference_pad_value_leak = PadValueLeak("reference")
 reference_capacity_dependent = CapacityDependent("reference")
 reference_nondeterministic = Nondeterministic("reference")
+
+
+class PadDoutLeak(Wrapped):
+    """Padding rows of ``out`` get a term in ``hidden`` (every row): their output gradient reaches ``grad/hidden``
+    on real rows too. The forward of real rows is unchanged."""
+
+    def after(self, res, hidden, psp):
+        if psp is None:
+            return res
+        term = torch.where(_real_mask(hidden, psp), 0.0, 1e-3 * hidden.sum())
+        return _term(res, term)
+
+
+reference_pad_dout_leak = PadDoutLeak("reference")

@@ -6,14 +6,14 @@ import contextlib
 import types
 
 import fused
-from cases.vocabulary import OUTCOMES, TENSOR_CLASSES, Unsupported
+from cases.vocabulary import OUTCOMES, TENSOR_CLASSES, TOLERANCED_CLASSES, Unsupported
 from parity import impls, junit, policy, results
 from reports import drift, load, markdown, summary
 
 
 def test_the_vocabulary_is_defined_once():
     assert results.OUTCOMES is OUTCOMES and load.OUTCOMES is OUTCOMES and summary.OUTCOMES is OUTCOMES
-    assert policy.TENSOR_CLASSES is TENSOR_CLASSES and drift.TENSOR_CLASSES is TENSOR_CLASSES
+    assert policy.TOLERANCED_CLASSES is TOLERANCED_CLASSES and drift.TENSOR_CLASSES is TENSOR_CLASSES
     assert junit.OUTCOMES is OUTCOMES and markdown.OUTCOMES is OUTCOMES
 
 

@@ -47,11 +47,11 @@ def test_fused_core_scope_survives_poisoned_padding(oracle):
 
 def test_oracles_decline_cases_they_do_not_apply_to():
     bshd = pick(layout="bshd", ratio="0", dtype="float32")
-    for name in ("thd-pack", "padding-poison", "unpadded", "capacity", "identical-segments"):
+    for name in ("thd-pack", "padding-poison", "padding-dout", "unpadded", "capacity", "identical-segments"):
         assert not applicable(name, bshd)
         assert check(name, "reference", bshd).outcome == "unsupported"
     assert applicable("determinism", bshd)
-    assert set(ORACLES) == {c[0] for c in CASES} | {"graph-replay"}  # graph-replay: tests/parity/test_graph_replay.py
+    assert set(ORACLES) == {c[0] for c in CASES} | {"graph-replay", "padding-dout"}  # test_graph_replay.py, test_padding_dout.py
 
 
 def test_oracle_from_the_cli(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """The top-k tie-margin protocol (parity/topk.py) and the selection conventions (parity/structure.py)."""
 
+import pytest
 import torch
 
 from parity.structure import topk_problems
@@ -93,7 +94,7 @@ def test_clear_row_requires_the_exact_set_even_if_values_are_close():
     rep = compare(torch.tensor([[0, 2]]), truth, truth, truth, 2, torch.float64)
     assert rep.clear == 1 and rep.mismatched_clear == 1 and not rep.passed
     ok = compare(torch.tensor([[0, 1]]), truth, truth, truth, 2, torch.float64)
-    assert ok.passed and ok.summary() == {"clear": 1, "tied": 0, "rows": 1}
+    assert ok.passed and ok.summary() == {"clear": 1, "tied": 0, "rows": 1, "exact_tied": 0, "tie_rule": "arbitrary"}
 
 
 def test_exact_tie_is_tied_and_either_choice_passes():
@@ -103,3 +104,28 @@ def test_exact_tie_is_tied_and_either_choice_passes():
         assert rep.tied == 1 and rep.passed, choice
     bad = compare(torch.tensor([[0, 3]]), truth, truth, truth, 2, torch.float64)
     assert not bad.passed and bad.mismatched_tied == 1
+
+
+def test_declared_lower_index_rule_is_enforced_on_exactly_tied_rows_only():
+    own = torch.tensor([[2.0, 1.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0]], dtype=torch.float64)
+    lower = torch.tensor([[0, 1], [0, 1]])
+    higher = torch.tensor([[0, 2], [0, 1]])  # row 0 takes the higher of the tied columns
+    for rule in ("arbitrary", "lower-index"):
+        assert compare(lower, own, own, own, 2, torch.float64, tie_rule=rule).passed, rule
+    loose = compare(higher, own, own, own, 2, torch.float64, tie_rule="arbitrary")
+    assert loose.passed and loose.exact_tied == 0  # the value-based protocol alone accepts either tied column
+    strict = compare(higher, own, own, own, 2, torch.float64, tie_rule="lower-index")
+    assert not strict.passed and strict.exact_tied == 1 and strict.mismatched_tie_rule == 1
+    assert "row 0" in strict.first_failure and "[0, 1]" in strict.first_failure
+    assert strict.summary()["tie_rule"] == "lower-index"
+
+
+def test_the_tie_rule_reads_the_implementations_own_scores():
+    """Ties in the implementation's scores (e.g. made by rounding) bind it even where the reference has none."""
+    truth = torch.tensor([[2.0, 1.0, 1.0 - 1e-12, 0.0]], dtype=torch.float64)
+    own = torch.tensor([[2.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    rep = compare(torch.tensor([[0, 2]]), truth, own, None, 2, torch.float64, tie_rule="lower-index")
+    assert rep.exact_tied == 1 and rep.mismatched_tie_rule == 1
+    assert compare(torch.tensor([[0, 1]]), truth, own, None, 2, torch.float64, tie_rule="lower-index").passed
+    with pytest.raises(ValueError, match="tie rule"):
+        compare(torch.tensor([[0, 1]]), truth, own, None, 2, torch.float64, tie_rule="highest")

@@ -72,7 +72,8 @@ def test_split_mode_uses_the_given_ids_for_attention_and_sparse_loss_only():
     own = attention_layer(h, t.params, config)
     same = attention_layer(h, t.params, config, topk_indices=own.topk_indices)
     assert torch.equal(own.out, same.out) and torch.equal(own.indexer_loss, same.indexer_loss)
-    other_ids = torch.where(own.topk_indices >= 0, 0, -1)  # always entry 0 only
+    other_ids = torch.full_like(own.topk_indices, -1)
+    other_ids[..., 0] = torch.where(own.topk_indices[..., 0] >= 0, 0, -1)  # always entry 0 only
     other = attention_layer(h, t.params, config, topk_indices=other_ids)
     assert torch.equal(other.index_scores, own.index_scores) and torch.equal(other.topk_indices, own.topk_indices)
     assert not torch.allclose(other.out, own.out) and not torch.allclose(other.indexer_loss, own.indexer_loss)
