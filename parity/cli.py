@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 from cases.errors import CaseError
 
-PROVIDERS = ("auto", "torch", "cudnn", "flashmla")
+PROVIDERS = ("auto", "torch", "cudnn", "flashmla", "unfused", "emulated")
 DESCRIPTION = """\
 Numerical parity harness for DeepSeek-V4 hybrid attention (CSA / HCA / sliding window + sink, lightning indexer,
 indexer KL losses; BSHD and packed THD).

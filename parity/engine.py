@@ -154,8 +154,12 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
         result.plan = impl_snap.record or {}
         stage = f"{against.name} runs"
+        precision = impl.precision(case)
+        if precision != case.dtype:
+            result.precision = precision
+        result.not_provided = dict(impl_snap.not_provided)
         with clock("reference"):
-            truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+            truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"], precision)
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
@@ -167,7 +171,8 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             problems = structure.check(case, tensors, impl_snap, noise, truth)
             case_problems = problems.pop("*", [])
             tensors_out, report = verdict.judge_case_tensors(case, tensors, impl_snap, truth, noise, problems,
-                                                             policy, policy_provider(impl_snap.record, provider))
+                                                             policy, policy_provider(impl_snap.record, provider),
+                                                             precision)
             outcome, decided_by, first, message = verdict.case_decision(tensors_out, case_problems)
     except Exception as exc:  # noqa: BLE001 — a comparison crash is the harness's error, reported as such
         return finish("error", "error", f"comparison: {one_line(exc)} [{_where(exc)}]")
@@ -183,10 +188,12 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
     return finish(outcome, decided_by, message)
 
 
-def reference_runs(case: Case, against: Implementation, tensors, split: Optional[torch.Tensor]) -> tuple:
+def reference_runs(case: Case, against: Implementation, tensors, split: Optional[torch.Tensor],
+                   precision: Optional[str] = None) -> tuple:
     """``(truth, noise, note)`` in split mode. A selection the reference cannot even consume (malformed ids, which
     the structure rule reports) falls back to the reference's own selection, so the other tensors are still
-    compared; ``note`` then says so (else it is empty)."""
+    compared; ``note`` then says so (else it is empty). ``precision`` below the case dtype (an implementation's
+    declared working precision): the noise run is the reference on the case tensors rounded to it."""
     note = ""
     try:
         truth = run(against.api, case, tensors, upcast=True, topk_indices=split)
@@ -195,7 +202,11 @@ def reference_runs(case: Case, against: Implementation, tensors, split: Optional
             raise
         split, note = None, f"split mode impossible ({one_line(exc)}); compared with the reference's own selection"
         truth = run(against.api, case, tensors, upcast=True)
-    noise = truth if case.dtype == "float64" else run(against.api, case, tensors, topk_indices=split)
+    if precision and precision != case.dtype:
+        cast = {"float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
+        noise = run(against.api, case, tensors, topk_indices=split, cast=cast)
+    else:
+        noise = truth if case.dtype == "float64" else run(against.api, case, tensors, topk_indices=split)
     return truth, noise, note
 
 
@@ -204,7 +215,7 @@ def snapshots(case: Case, impl: Implementation, against: Implementation, options
     provider = impl.resolve_provider(options.provider)
     tensors = materialize(case, options.torch_device())
     impl_snap = run(impl.api, case, tensors, context=impl.context(provider, options.require))
-    truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"])
+    truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"], impl.precision(case))
     return tensors, impl_snap, truth, noise
 
 

@@ -5,7 +5,11 @@ An implementation is an object (usually a module) exposing the public API of ARC
 
 * ``use_backend(provider=..., require=(...))`` — a context manager selecting the kernel provider(s); the object it
   yields has ``record``: ``{stage: provider}`` of what actually ran (the ``plan`` field of a result);
-* ``available_providers()`` — ``{name: None if usable here else the reason}`` (or a list of usable names).
+* ``available_providers()`` — ``{name: None if usable here else the reason}`` (or a list of usable names);
+* ``precision(case)`` — the dtype the implementation computes ``case`` in when below the case dtype (production's
+  float32 islands in a float64 run): its noise floor and tolerances are then that dtype's (default: the case dtype);
+* ``describe()`` — a dict for the run row (e.g. the revision of the code under test and the stand-ins in use);
+* ``known_deviations()`` — the registry of known behaviour that differs from the contract (:mod:`parity.known`).
 
 Without ``use_backend`` the provider is ignored (the reference has none; its provider reads ``"none"``).
 """
@@ -17,7 +21,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
-BUILTIN = {"reference": "reference", "fused": "fused"}
+BUILTIN = {"reference": "reference", "fused": "fused", "megatron": "adapters.megatron"}
 
 
 class ImplError(ValueError):
@@ -65,6 +69,16 @@ class Implementation:
             raise ImplError(f"{self.name} has no provider {provider!r} (known: {', '.join(known)})")
         if known.get(provider):
             raise ImplError(f"provider {provider!r} is unavailable here: {known[provider]}")
+
+    def precision(self, case) -> str:
+        """The dtype this implementation computes ``case`` in (the case dtype unless it declares otherwise)."""
+        fn = self._hook("precision")
+        return str(fn(case)) if fn is not None else case.dtype
+
+    def describe(self) -> dict:
+        """What the run row records about the implementation (empty without a ``describe`` hook)."""
+        fn = self._hook("describe")
+        return dict(fn()) if fn is not None else {}
 
     def context(self, provider: str, require: Optional[str] = None) -> Callable[[], ContextManager]:
         fn = self._hook("use_backend")

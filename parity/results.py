@@ -49,6 +49,9 @@ class CaseResult:
     plan: dict = field(default_factory=dict)
     topk: Optional[dict] = None
     tensors: list = field(default_factory=list)  # verdict.TensorResult
+    not_provided: dict = field(default_factory=dict)  # {tensor: why the implementation has none}
+    precision: Optional[str] = None  # the implementation's declared working precision, when below the case dtype
+    known: Optional[dict] = None  # the known deviation that matched ({id, status, ...}), see parity.known
 
     @property
     def case_id(self) -> str:
@@ -60,7 +63,18 @@ class CaseResult:
                 "duration_s": round(self.duration_s, 4),
                 "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()},
                 "repro": self.repro, "features": self.features,
-                "plan": self.plan, "topk": self.topk}
+                "plan": self.plan, "topk": self.topk, **self._extra()}
+
+    def _extra(self) -> dict:
+        """Additive case-row fields, present only when set."""
+        out = {}
+        if self.not_provided:
+            out["not_provided"] = self.not_provided
+        if self.precision:
+            out["precision"] = self.precision
+        if self.known:
+            out["known"] = self.known
+        return out
 
     def rows(self) -> list[dict]:
         out = [self.case_row()]
@@ -96,7 +110,8 @@ class CaseResult:
                    first_failure=head["first_failure"], message=head["message"], duration_s=head["duration_s"],
                    phases_s=head.get("phases_s") or {}, repro=head["repro"], features=head["features"],
                    plan=head["plan"], topk=head["topk"],
-                   tensors=list(tensors.values()))
+                   tensors=list(tensors.values()), not_provided=head.get("not_provided") or {},
+                   precision=head.get("precision"), known=head.get("known"))
 
 
 def dumps(row: dict) -> str:

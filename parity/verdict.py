@@ -35,6 +35,7 @@ from . import topk as topk_protocol
 from .policy import Policy, Tolerance
 from .snapshot import Snapshot, is_row_tensor, real_rows, tensor_class
 
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 RULES = ("structure", "noise_floor", "similarity", "aggregate", "tie_margin")
 
 # gating metric -> (rule, policy attribute, kind); kind "max" = value <= threshold, "floor" = value >= 1 - eps
@@ -146,12 +147,18 @@ def _restrict(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: Snapshot, noise: Snapshot,
-                       problems: dict, policy: Policy,
-                       provider: str) -> tuple[list, Optional[topk_protocol.TopkReport]]:
-    """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer)."""
+                       problems: dict, policy: Policy, provider: str,
+                       precision: Optional[str] = None) -> tuple[list, Optional[topk_protocol.TopkReport]]:
+    """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer).
+
+    ``precision``: the dtype the implementation declares it computes the case in (default the case dtype); the
+    tolerances, ULP floor and tie margins are that dtype's (the noise run was made in it)."""
     mask = tensors.real_rows.cpu()
+    precision = precision or case.dtype
     results, report = [], None
     for name in dict.fromkeys(truth.names + impl.names):
+        if name in impl.not_provided:
+            continue
         a, r, p = impl[name], truth[name], noise[name]
         cls = tensor_class(name)
         shown = a if a is not None else p
@@ -164,7 +171,7 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
         if a is None or r is None:
             continue  # absent in both (checked by structure)
         if name == "topk_indices":
-            report = _judge_topk(case, a, truth, noise, impl, mask, policy, base, results)
+            report = _judge_topk(case, a, truth, noise, impl, mask, policy, base, results, precision)
             continue
         ar, rr, pr = _restrict(name, a, mask), _restrict(name, r, mask), _restrict(name, p, mask)
         nan = int(torch.isnan(ar).sum())
@@ -175,21 +182,21 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
             pr = torch.where(torch.isfinite(pr), pr, rr)
         else:
             inf = int(torch.isinf(ar).sum())
-        tol = policy.tolerance(cls, case.dtype, provider)
-        dtype = case.torch_dtype  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
+        tol = policy.tolerance(cls, precision, provider)
+        dtype = DTYPES[precision]  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
         verdict, rule, rows, msg = judge_numeric(name, cls, ar, rr, pr, dtype, tol, policy.scalar_numel, nan, inf)
         results.append(TensorResult(**base, verdict=verdict, rule=rule, message=msg, metrics=rows))
     return results, report
 
 
-def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results):
+def _judge_topk(case, a, truth, noise, impl, mask, policy, base, results, precision):
     k = case.config.dsa_indexer_topk
     scores = truth["index_scores"]
     rs = real_rows(M.as_f64(scores), mask)
     ps = noise["index_scores"]
-    ims = impl["index_scores"]
-    knobs = policy.topk(case.dtype)
-    score_dtype = torch.float64 if case.dtype == "float64" else torch.float32
+    ims = None if "index_scores" in impl.not_provided else impl["index_scores"]
+    knobs = policy.topk(precision)
+    score_dtype = torch.float64 if precision == "float64" else torch.float32
     idx = real_rows(a.cpu().to(torch.int64), mask)
     rep = topk_protocol.compare(idx.reshape(idx.shape[0], -1), rs,
                                 None if ims is None else real_rows(M.as_f64(ims), mask),

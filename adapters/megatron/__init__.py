@@ -1,0 +1,32 @@
+"""``--impl megatron``: Megatron-LM ``dev``'s DSv4 hybrid attention (the production code) as an implementation under
+test, with no edit of Megatron's files.
+
+Public API (ARCHITECTURE.md): ``attention_layer``, ``core_attention`` (production's layer / core attention; every
+output field is production's own tensor, read by recorders). ``compressor`` / ``indexer`` are not provided.
+
+Harness hooks (``parity/impls.py``): ``use_backend(provider=..., require=...)`` and ``available_providers()`` —
+providers ``unfused`` / ``emulated`` / ``cudnn`` (:mod:`adapters.megatron.providers`); ``precision(case)`` — the
+dtype production computes a case in (float32 islands in float64 runs); ``describe()`` — Megatron's revision and the
+stand-ins in use (the run row); ``known_deviations`` — the registry of production behaviour that differs from the
+contract (:mod:`adapters.megatron.deviations`); ``TOPK_TIES = "arbitrary"`` (``torch.topk`` among exact ties).
+
+Where Megatron comes from: ``DSV4_MEGATRON`` (set by ``--megatron PATH``) or the pinned snapshot
+(:mod:`adapters.megatron.source`).
+"""
+
+from .layer import attention_layer, core_attention
+from .providers import available_providers, describe, use_backend
+from .source import MegatronSourceError
+
+#: declared top-k tie behaviour: production uses torch.topk (dsa.py), arbitrary among exact ties
+TOPK_TIES = "arbitrary"
+
+
+def precision(case) -> str:
+    """The precision production computes ``case`` in: float64 cases keep float32 islands (RoPE tables, YaRN ramp,
+    ``.float()`` attention / indexer / loss math, fp32 sink and ``ape``), so they are judged at float32 level."""
+    return "float32" if case.dtype == "float64" else case.dtype
+
+
+__all__ = ["MegatronSourceError", "TOPK_TIES", "attention_layer", "available_providers", "core_attention", "describe",
+           "precision", "use_backend"]
