@@ -219,7 +219,7 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
     counts, code = run(cases, config)
     if link is not None:
         point_link(link, out_dir)
-    _say(summary_line(counts) + (f" [oracle {oracle}]" if oracle else ""))
+    _say(summary_line(counts, counts.get("fixed?", 0)) + (f" [oracle {oracle}]" if oracle else ""))
     return counts, code, out_dir, link
 
 

@@ -29,6 +29,7 @@ import torch
 from cases.case import Case
 from cases.tensors import materialize
 
+from . import known
 from . import policy as policy_mod
 from . import structure, verdict
 from .impls import Implementation, is_unsupported, policy_provider
@@ -127,7 +128,22 @@ class _PhaseClock:
 
 def run_case(case: Case, impl: Implementation, against: Implementation, options: RunOptions,
              policy: Optional[policy_mod.Policy] = None) -> CaseResult:
-    """Compare ``impl`` with ``against`` on ``case``; never raises for a problem of the case or the implementations."""
+    """Compare ``impl`` with ``against`` on ``case``; never raises for a problem of the case or the implementations.
+    A failure that the implementation's registry of known deviations explains becomes ``known``; a registered
+    deviation that did not reproduce is flagged ``fixed?`` (:mod:`parity.known`)."""
+    result = _decide_case(case, impl, against, options, policy)
+    entries = known.registry_for(impl)
+    if entries:
+        try:
+            known.apply(result, entries, impl.provider_name(impl.resolve_provider(options.provider)),
+                        known.architecture(options.torch_device()), str(impl.describe().get("revision", "")))
+        except Exception as exc:  # noqa: BLE001 — a broken registry is reported, never hides the verdict
+            result.message += f" [known-deviation registry: {one_line(exc)}]"
+    return result
+
+
+def _decide_case(case: Case, impl: Implementation, against: Implementation, options: RunOptions,
+                 policy: Optional[policy_mod.Policy] = None) -> CaseResult:
     policy = policy or (policy_mod.load(options.policy_path) if options.policy_path else policy_mod.default())
     start = time.perf_counter()
     provider = impl.resolve_provider(options.provider)

@@ -70,6 +70,11 @@ class Implementation:
         if known.get(provider):
             raise ImplError(f"provider {provider!r} is unavailable here: {known[provider]}")
 
+    def provider_name(self, provider: str) -> str:
+        """The provider that ``provider`` (e.g. ``auto``) selects, as the implementation names it."""
+        fn = self._hook("provider_name")
+        return str(fn(provider)) if fn is not None else provider
+
     def precision(self, case) -> str:
         """The dtype this implementation computes ``case`` in (the case dtype unless it declares otherwise)."""
         fn = self._hook("precision")

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional
 
 from cases.case import Case
 
-OUTCOMES = ("pass", "fail", "error", "unsupported")
+OUTCOMES = ("pass", "fail", "error", "unsupported", "known")
 FLOAT_MAX = 1.7976931348623157e308
 
 
@@ -178,7 +178,13 @@ def counts(outcomes: Iterable[str]) -> dict:
     return c
 
 
-def summary_line(c: dict) -> str:
-    n = sum(c.values())
-    return (f"{n} cases: {c['pass']} passed, {c['fail']} failed, {c['error']} errors, "
+def summary_line(c: dict, fixed: int = 0) -> str:
+    """``N cases: P passed, F failed, E errors, U unsupported``, plus ``, K known`` / ``, X fixed?`` when any."""
+    n = sum(c.get(o, 0) for o in OUTCOMES)
+    line = (f"{n} cases: {c['pass']} passed, {c['fail']} failed, {c['error']} errors, "
             f"{c['unsupported']} unsupported")
+    if c.get("known"):
+        line += f", {c['known']} known"
+    if fixed:
+        line += f", {fixed} fixed?"
+    return line

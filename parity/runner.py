@@ -163,12 +163,15 @@ class _Progress:
 
     def done(self, row: dict) -> None:
         line = None
-        if row["outcome"] != "pass":
-            line = f"{row['outcome'].upper():<11} {row['case_id']}  {row['message']}"
+        fixed = (row.get("known") or {}).get("status") == "fixed?"
+        if row["outcome"] != "pass" or fixed:
+            label = "FIXED?" if fixed else row["outcome"].upper()
+            line = f"{label:<11} {row['case_id']}  {row['message']}"
         if self.bar is not None:
             self.bar.advance(self.task)
             if line:
-                style = {"fail": "red", "error": "magenta", "unsupported": "yellow"}.get(row["outcome"], "")
+                style = {"fail": "red", "error": "magenta", "unsupported": "yellow", "known": "cyan"}.get(
+                    "known" if fixed else row["outcome"], "")
                 self.console.print(line, style=style, markup=False, highlight=False)
         elif line and not self.quiet:
             print(line, file=sys.stderr, flush=True)
@@ -218,6 +221,7 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     if workers > 1:
         todo = shard.by_cost(todo, device)  # the shared queue: most expensive first (LPT)
     outcomes = dict(existing.outcomes)
+    fixed: list[str] = []  # cases where a registered known deviation did not reproduce
     # intra-op threads of the processes running the cases (recorded; None: each child's own default)
     threads_before, threads = None, slots[0].threads
     if mode == "none":
@@ -233,7 +237,7 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
                        "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                        "argv": list(config.argv), "env": environment(device),
                        "options": asdict(opts), "workers": workers, "devices": [s.device for s in slots],
-                       "threads": threads}])
+                       "threads": threads, **_impl_info(opts.impl)}])
     if config.resume and existing.outcomes:
         print(f"resuming: {len(existing.outcomes)} cases already done, {len(todo)} to run", file=sys.stderr)
     progress = _Progress(len(todo), config.quiet)
@@ -245,6 +249,8 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     def finished(case: Case, rows: list[dict], slot: Slot) -> None:
         writer.write(_tag(rows, slot))
         outcomes[case.id] = rows[0]["outcome"]
+        if (rows[0].get("known") or {}).get("status") == "fixed?":
+            fixed.append(case.id)
         progress.done(rows[0])
 
     deadline = None if config.budget_s is None else started + config.budget_s
@@ -281,6 +287,8 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
             _set_threads(threads_before)
     counts = R.counts(outcomes.values())
     end = {"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}
+    if fixed:
+        end["fixed"] = fixed
     if not_run:
         end.update(stopped="budget", budget_s=config.budget_s, not_run=not_run)
         print(f"budget of {config.budget_s:g} s spent: {len(not_run)} of {len(cases)} cases not run "
@@ -292,7 +300,20 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
 
         write_junit(path, config.junit)
     code = 1 if counts["fail"] or counts["error"] or not_run else 0
+    if fixed:
+        counts = dict(counts, **{"fixed?": len(fixed)})
     return counts, code
+
+
+def _impl_info(name: str) -> dict:
+    """``{"impl_info": ...}`` for the run row when the implementation describes itself (revision, stand-ins)."""
+    from .impls import load
+
+    try:
+        info = load(name).describe()
+    except Exception as exc:  # noqa: BLE001 — the run row is informative; the cases report real problems
+        return {"impl_info": {"error": str(exc)}}
+    return {"impl_info": info} if info else {}
 
 
 def _set_threads(threads: Optional[int]) -> int:

@@ -30,3 +30,16 @@ def precision(case) -> str:
 
 __all__ = ["MegatronSourceError", "TOPK_TIES", "attention_layer", "available_providers", "core_attention", "describe",
            "precision", "use_backend"]
+
+
+def provider_name(provider: str) -> str:
+    """``auto`` (and the generic ``torch``) select ``unfused``."""
+    return "unfused" if provider in ("auto", "none", "torch") else provider
+
+
+def known_deviations() -> list:
+    """The committed registry (``known_deviations.json``) of production behaviour that differs from the contract."""
+    import json
+    from pathlib import Path
+
+    return json.loads(Path(__file__).with_name("known_deviations.json").read_text(encoding="utf-8"))["entries"]

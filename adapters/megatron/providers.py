@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import io
+import logging
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ def megatron() -> Megatron:
         warnings.simplefilter("ignore")
         mg = load(os.environ.get("DSV4_MEGATRON") or None)
     if id(mg) not in _PREPARED:
+        logging.getLogger("megatron").setLevel(logging.ERROR)  # config notes (e.g. derived head dims) on stderr
         _prepare(mg)
         _PREPARED.add(id(mg))
     return mg
@@ -131,5 +133,5 @@ def describe(provider: Optional[str] = None) -> dict:
     used = list(mg.standins)
     for built in _CACHE.values():
         used += [s for s in built.standins if s not in used]
-    return {"megatron_revision": mg.source.revision, "megatron_root": str(mg.source.root),
+    return {"revision": mg.source.revision, "megatron_root": str(mg.source.root),
             "megatron_origin": mg.source.origin, "standins": used, "te": mg.has_te}
