@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from cases.config import ModelConfig
@@ -82,11 +80,9 @@ def pg_collection(mg: Megatron):
     return pgs
 
 
-def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, device: str,
-          configure: Callable[[object], None] = lambda cfg: None) -> Built:
-    """The layer for ``config`` in ``dtype`` with ``dsa_kernel_backend=backend`` (``none`` / ``cudnn``), cached.
-    ``configure`` may adjust the transformer config before the build (the caller keys the cache by it)."""
-    key = (config, dtype, backend, device, getattr(configure, "cache_key", None))
+def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, device: str) -> Built:
+    """The layer for ``config`` in ``dtype`` with ``dsa_kernel_backend=backend`` (``none`` / ``cudnn``), cached."""
+    key = (config, dtype, backend, device)
     if key in _CACHE:
         return _CACHE[key]
     used = []
@@ -94,7 +90,6 @@ def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, d
     spec_utils = __import__("megatron.core.transformer.spec_utils", fromlist=["build_module"])
     with standins.cpu_device_calls(device == "cpu"):
         cfg = transformer_config(mg, config, dtype, backend)
-        configure(cfg)
         spec = specs.get_dsv4_hybrid_module_spec_for_backend(cfg, _backend(mg))
         module = spec_utils.build_module(spec, config=cfg, layer_number=1, pg_collection=pg_collection(mg))
     if not mg.has_te:

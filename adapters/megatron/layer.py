@@ -75,14 +75,21 @@ def _indexer_outputs(record: recorders.Record, config: ModelConfig, packed: Opti
 def _output(out: torch.Tensor, record: recorders.Record, config: ModelConfig, packed, lead: tuple) -> MegatronOutput:
     not_provided = {}
     lse = record.get("lse")
-    if lse is None:
+    if lse is not None:  # kernel layout (rows, n) with +inf on rows without keys -> public [B, S, n] / [T, n], -inf
+        lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
+        if packed is None:
+            lse = lse.reshape(lead[1], lead[0], -1).transpose(0, 1)
+    else:
         not_provided["lse"] = "production's unfused attention (unfused_compressed_sparse_attn) computes no LSE"
     topk, scores = (None, None)
     if config.has_indexer:
         topk, scores = _indexer_outputs(record, config, packed, lead)
     loss = record.get("loss")
-    return MegatronOutput(out=out, lse=lse, indexer_loss=None if loss is None else loss.float(),
-                          topk_indices=topk, index_scores=scores, not_provided=not_provided)
+    # float32 values of a float64 run (production's islands) in the case's dtype, exactly (the contract's dtype)
+    wide = torch.float64 if out.dtype == torch.float64 else torch.float32
+    lse, scores, loss = (None if t is None else t.to(wide) for t in (lse, scores, loss))
+    return MegatronOutput(out=out, lse=lse, indexer_loss=loss, topk_indices=topk, index_scores=scores,
+                          not_provided=not_provided)
 
 
 def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,

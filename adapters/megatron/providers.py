@@ -99,7 +99,12 @@ def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
     token = _PROVIDER.set(name)
     handle = Handle(name, {f"megatron.{name}": "torch"})
     try:
-        yield handle
+        with contextlib.ExitStack() as stack:
+            if name == "emulated":  # forward and backward both call the kernel stand-ins
+                from . import emulated  # noqa: PLC0415 — imports fused.kernels only for this provider
+
+                stack.enter_context(emulated.installed(megatron()))
+            yield handle
     finally:
         _PROVIDER.reset(token)
 
@@ -113,14 +118,9 @@ def run_context(provider: str, config, like: torch.Tensor, training: bool) -> It
     backend = "cudnn" if provider in ("emulated", "cudnn") else "none"
     with contextlib.ExitStack() as stack:
         stack.enter_context(standins.cpu_device_calls(device == "cpu"))
-        configure = lambda cfg: None  # noqa: E731
-        if provider == "emulated":
-            from . import emulated  # noqa: PLC0415 — imports fused.kernels only for this provider
-
-            configure = stack.enter_context(emulated.installed(mg, config))
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            built = build(mg, config, like.dtype, backend, device, configure)
+            built = build(mg, config, like.dtype, backend, device)
         built.module.train(training)
         yield mg, built
 

@@ -18,11 +18,14 @@ Recorded (the last forward call wins):
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator, Optional
 
 import torch
 
 from .loader import Megatron
+
+FUSED = "megatron.core.transformer.experimental_attention_variant.csa_utils.fused_sparse_attention"
 
 
 class Record(dict):
@@ -77,6 +80,25 @@ def _wrap_autoscaler(original, record: Record):
     return RecordingAutoScaler
 
 
+def _wrap_flash(original, record: Record):
+    def _csa_fwd_flash_mla(*args, **kwargs):
+        out, lse, lse_indexer = original(*args, **kwargs)
+        record.keep("lse", lse)
+        return out, lse, lse_indexer
+
+    return _csa_fwd_flash_mla
+
+
+def _wrap_topk_core(original, record: Record):
+    def _indexer_topk_core(*args, **kwargs):
+        topk, length, scores = original(*args, **kwargs)
+        record.keep("fused_topk", topk)
+        record.keep("fused_scores", scores)
+        return topk, length, scores
+
+    return _indexer_topk_core
+
+
 @contextlib.contextmanager
 def patched(module, name: str, value) -> Iterator[None]:
     """``module.name = value`` inside the block (restored after, also on error)."""
@@ -103,6 +125,11 @@ def recording(mg: Megatron) -> Iterator[Record]:
                                     _wrap_metadata(csa._build_compressed_thd_indexer_metadata, record)))
         stack.enter_context(patched(csa, "DSAIndexerLossAutoScaler",
                                     _wrap_autoscaler(csa.DSAIndexerLossAutoScaler, record)))
+        fused = sys.modules.get(FUSED)
+        if fused is not None:  # the fused path (emulated / cudnn providers)
+            stack.enter_context(patched(fused, "_csa_fwd_flash_mla", _wrap_flash(fused._csa_fwd_flash_mla, record)))
+            stack.enter_context(patched(fused, "_indexer_topk_core", _wrap_topk_core(fused._indexer_topk_core,
+                                                                                      record)))
         yield record
 
 
