@@ -50,10 +50,21 @@ def _add_common(p: argparse.ArgumentParser, *, impl_default: str = "fused") -> N
                    help=f"implementation under test: reference, fused, or module[:attr] (default {impl_default})")
     p.add_argument("--against", default="reference", help="the implementation giving the truth (default reference)")
     p.add_argument("--provider", default="auto", choices=PROVIDERS,
-                   help="fused kernel provider; auto = per stage, the best available here (default auto)")
+                   help="kernel provider; auto = per stage, the best available here (default auto); megatron: "
+                        "unfused (production's PyTorch path), emulated (its fused path over the torch kernels), "
+                        "cudnn")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where to run (default: cuda if available)")
     p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
+    add_megatron_argument(p)
+
+
+def add_megatron_argument(p: argparse.ArgumentParser) -> None:
+    """``--megatron PATH``: the Megatron-LM checkout ``--impl megatron`` tests (sets ``DSV4_MEGATRON`` for this
+    process and its workers; default: that variable, else the pinned snapshot)."""
+    p.add_argument("--megatron", metavar="PATH",
+                   help="Megatron-LM checkout for --impl megatron (default $DSV4_MEGATRON, else the pinned snapshot "
+                        "../shared/megatron/megatron-lm-dev-*.tar.gz)")
 
 
 def _add_selection(p: argparse.ArgumentParser) -> None:
@@ -159,6 +170,7 @@ def _check_impls(args: argparse.Namespace, oracle: Optional[str]) -> None:
     from .impls import load
 
     impl = load(args.impl)
+    impl.check_ready()
     impl.check_provider(args.provider)
     if getattr(args, "require", None):
         impl.check_provider(args.require)
@@ -377,6 +389,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
+    if getattr(args, "megatron", None):
+        import os
+
+        os.environ["DSV4_MEGATRON"] = args.megatron
     from .engine import configure_torch
 
     configure_torch()

@@ -60,6 +60,13 @@ class Implementation:
         """The provider to request: ``"none"`` without providers, else as given (``auto`` picks per stage)."""
         return provider if self.has_providers else "none"
 
+    def check_ready(self) -> None:
+        """Raise (a ``ValueError``) if the implementation cannot run at all here (its ``check_ready`` hook, e.g.
+        the code under test cannot be found or imported): a usage error, before any case runs."""
+        fn = self._hook("check_ready")
+        if fn is not None:
+            fn()
+
     def check_provider(self, provider: str) -> None:
         """Raise :class:`ImplError` if a named provider cannot run here (a setup error, not a case outcome)."""
         if provider in ("auto", "none") or not self.has_providers:

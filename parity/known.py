@@ -24,6 +24,7 @@ Entry fields::
     match         {feature: value | [values]} over cases.coverage.features(case) plus the derived features
                   ``compressed_rows`` ("none" | "some") and ``padding_rows`` (bool: alignment padding or a dummy tail)
     expect        {"error": regex} for a crash, or {"tensors": [fnmatch patterns]} for failing tensors
+    cases         (optional) ids of suite cases that reproduce the entry (its test)
 """
 
 from __future__ import annotations

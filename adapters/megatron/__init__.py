@@ -22,6 +22,14 @@ from .source import MegatronSourceError
 TOPK_TIES = "arbitrary"
 
 
+def check_ready() -> None:
+    """Locate and import Megatron-LM now: a missing path, a checkout without DSv4 code or a revision whose API
+    differs raises :class:`MegatronSourceError` (one line, naming where it looked)."""
+    from .providers import megatron
+
+    megatron()
+
+
 def precision(case) -> str:
     """The precision production computes ``case`` in: float64 cases keep float32 islands (RoPE tables, YaRN ramp,
     ``.float()`` attention / indexer / loss math, fp32 sink and ``ape``), so they are judged at float32 level."""

@@ -128,10 +128,14 @@ def run_context(provider: str, config, like: torch.Tensor, training: bool) -> It
 def describe(provider: Optional[str] = None) -> dict:
     """For the run row: Megatron's revision, where it came from and every stand-in in use."""
     mg = megatron()
-    from .build import _CACHE  # noqa: PLC0415
-
     used = list(mg.standins)
-    for built in _CACHE.values():
-        used += [s for s in built.standins if s not in used]
+    if not mg.has_te:
+        used.append("plain-linear (no TransformerEngine)")
+    used.append("process-group (1-rank gloo)")
+    if not torch.cuda.is_available():
+        used.append("cpu-device (torch.cuda.current_device)")
+        from .emulated import STANDINS  # noqa: PLC0415
+
+        used += [f"emulated: {note}" for note in STANDINS]
     return {"revision": mg.source.revision, "megatron_root": str(mg.source.root),
             "megatron_origin": mg.source.origin, "standins": used, "te": mg.has_te}
