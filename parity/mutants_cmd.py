@@ -268,6 +268,10 @@ def _render_report(out_dir: Path) -> Optional[str]:
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
+    if getattr(args, "impl", "fused") == "megatron":  # real-code mutants: patches to a scratch copy of Megatron-LM
+        from adapters.megatron.mutants import main
+
+        return main(args)
     from fused import mutants
 
     from .cli import select_cases
@@ -311,12 +315,16 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub) -> dict:
-    from .cli import PROVIDERS, _add_selection
+    from .cli import PROVIDERS, _add_selection, add_megatron_argument
 
     p = sub.add_parser("mutants", help="mutation suite: every planted bug (fused.mutants) must fail the suite",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_selection(p)
     p.add_argument("--mutant", action="append", metavar="NAME", help="run only this mutant (repeatable)")
+    p.add_argument("--impl", default="fused", choices=("fused", "megatron"),
+                   help="fused: the planted bugs of fused.mutants; megatron: patches to a scratch copy of "
+                        "Megatron-LM run with --impl megatron (unfused and emulated providers)")
+    add_megatron_argument(p)
     p.add_argument("--list", action="store_true", help="list the mutants and their reach cells, and exit")
     p.add_argument("--keep-going", action="store_true",
                    help="run every reaching case per mutant, not only up to the first kill (fuller kill matrix)")

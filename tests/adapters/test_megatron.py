@@ -127,3 +127,40 @@ def _as_failed(result):
     out.outcome = result.known["was"]
     out.message = result.known["message"]
     return out
+
+
+# ---- real-code mutants --------------------------------------------------------------------------------------------
+def test_a_patch_that_no_longer_applies_is_reported(tmp_path):
+    from adapters.megatron import mutants
+
+    target = tmp_path / mutants.CSA
+    target.parent.mkdir(parents=True)
+    target.write_text("nothing to patch here\n")
+    with pytest.raises(mutants.PatchError, match="occurs 0 times"):
+        mutants.apply(tmp_path, mutants.MUTANTS[2])
+
+
+def test_patches_go_to_a_scratch_copy_only(tmp_path):
+    from adapters.megatron import mutants
+
+    src = tmp_path / "src"
+    (src / mutants.CSA).parent.mkdir(parents=True)
+    m = next(m for m in mutants.MUTANTS if m.path == mutants.CSA and m.nth is None)
+    (src / mutants.CSA).write_text(f"a\n{m.old}\nb\n")
+    copy = mutants.scratch_copy(src, tmp_path / "work")
+    mutants.apply(copy, m)
+    assert m.new in (copy / mutants.CSA).read_text()
+    assert (src / mutants.CSA).read_text() == f"a\n{m.old}\nb\n"
+
+
+@needs_megatron
+def test_every_real_code_mutant_is_killed():
+    from adapters.megatron import mutants, source as src
+
+    lines = []
+    outcomes = mutants.run_suite(src.locate().root, echo=lines.append)
+    assert len(outcomes) == len(mutants.MUTANTS) >= 8
+    assert [o.name for o in outcomes if o.status != "killed"] == [], "\n".join(lines)
+    for o in outcomes:  # killed on every provider that executes the mutant's code
+        m = next(m for m in mutants.MUTANTS if m.name == o.name)
+        assert set(o.provider.split(",")) == set(m.providers), o
