@@ -6,8 +6,8 @@ from a committed JSON file; schema below). After a case is decided, :func:`apply
 (implementation × provider × architecture × revision × case features):
 
 * the case failed or errored and a matching entry *explains* it (every failing tensor matches the entry's tensor
-  patterns, or the error message matches its ``error`` pattern) → outcome ``known`` (neither pass nor fail: it does not
-  fail the run; JUnit shows it as an expected failure), ``known = {"id", "status": "reproduced", ...}``;
+  patterns, or the error message matches its ``error`` pattern) → outcome ``known`` (neither pass nor fail: it does
+  not fail the run; JUnit shows it as an expected failure), ``known = {"id", "status": "reproduced", ...}``;
 * the case passed and an entry matches it → the entry no longer reproduces: the outcome stays ``pass`` and
   ``known = {"id", "status": "fixed?"}`` flags it, so the registry stays true;
 * a failure no entry explains stays a failure.

@@ -26,7 +26,7 @@ import pandas as pd
 from .drift import GateConfig
 from .errors import ReportError
 from .load import RESULTS_NAME, RunData, ended_complete, load_run, peek_run
-from .schema import CSV_SCHEMA_VERSION, OUTCOMES
+from .schema import CSV_SCHEMA_VERSION, OUTCOMES, outcome_counts
 from .table import CSV_NAME, metrics_table, read_csv, write_csv
 
 BASELINES_ROOT = Path(__file__).resolve().parent / "baselines"
@@ -69,8 +69,7 @@ def provenance(run: dict[str, Any], counts: dict[str, int], complete: bool,
 
 
 def _counts(table: pd.DataFrame) -> dict[str, int]:
-    found = table.drop_duplicates("case_id")["outcome"].value_counts()
-    return {o: int(found.get(o, 0)) for o in OUTCOMES}
+    return outcome_counts(table.drop_duplicates("case_id")["outcome"].value_counts())
 
 
 def available(root: Path = BASELINES_ROOT) -> list[str]:

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import ReportError
-from .schema import OUTCOMES, TENSOR_CLASSES, usage_array
+from .schema import OUTCOMES, TENSOR_CLASSES, outcome_counts, usage_array
 
 RESULTS_NAME = "results.jsonl"
 REQUIRED = {
@@ -74,8 +74,7 @@ class RunData:
     @property
     def counts(self) -> dict[str, int]:
         """Case outcomes counted from the case rows (the ``end`` row's counts are only cross-checked)."""
-        found = self.cases["outcome"].value_counts()
-        return {o: int(found.get(o, 0)) for o in OUTCOMES}
+        return outcome_counts(self.cases["outcome"].value_counts())
 
     @property
     def directory(self) -> Path:

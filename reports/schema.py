@@ -14,6 +14,8 @@ import numpy as np
 ROW_TYPES = ("run", "case", "tensor", "metric", "end")
 #: ``known``: a registered known deviation of the implementation (an expected failure; parity/known.py)
 OUTCOMES = ("pass", "fail", "error", "unsupported", "known")
+#: outcomes counted even when zero (``known`` appears only when some case has it, as in the ``end`` row)
+ALWAYS_COUNTED = ("pass", "fail", "error", "unsupported")
 VERDICTS = ("pass", "fail")
 TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "grad_param", "grad_indexer")
 
@@ -81,3 +83,8 @@ def usage_array(metric: np.ndarray, value: np.ndarray, threshold: np.ndarray) ->
     out = np.where(allowed <= 0.0, np.where(spent <= 0.0, 0.0, np.inf), out)
     out = np.where(np.isnan(value), np.inf, out)
     return np.where(np.isnan(threshold), np.nan, out)
+
+
+def outcome_counts(found) -> dict[str, int]:
+    """``{outcome: n}`` from a value-count mapping, in :data:`OUTCOMES` order; ``known`` only when non-zero."""
+    return {o: int(found.get(o, 0)) for o in OUTCOMES if o in ALWAYS_COUNTED or found.get(o, 0)}

@@ -8,7 +8,8 @@ Harness hooks (``parity/impls.py``): ``use_backend(provider=..., require=...)`` 
 providers ``unfused`` / ``emulated`` / ``cudnn`` (:mod:`adapters.megatron.providers`); ``precision(case)`` — the
 dtype production computes a case in (float32 islands in float64 runs); ``describe()`` — Megatron's revision and the
 stand-ins in use (the run row); ``known_deviations`` — the registry of production behaviour that differs from the
-contract (:mod:`adapters.megatron.deviations`); ``TOPK_TIES = "arbitrary"`` (``torch.topk`` among exact ties).
+contract (``known_deviations.json``, :mod:`parity.known`); ``TOPK_TIE_RULE = "arbitrary"`` (``torch.topk``
+among exact ties).
 
 Where Megatron comes from: ``DSV4_MEGATRON`` (set by ``--megatron PATH``) or the pinned snapshot
 (:mod:`adapters.megatron.source`).
@@ -19,7 +20,7 @@ from .providers import available_providers, describe, use_backend
 from .source import MegatronSourceError
 
 #: declared top-k tie behaviour: production uses torch.topk (dsa.py), arbitrary among exact ties
-TOPK_TIES = "arbitrary"
+TOPK_TIE_RULE = "arbitrary"
 
 
 def check_ready() -> None:
@@ -36,8 +37,8 @@ def precision(case) -> str:
     return "float32" if case.dtype == "float64" else case.dtype
 
 
-__all__ = ["MegatronSourceError", "TOPK_TIES", "attention_layer", "available_providers", "core_attention", "describe",
-           "precision", "use_backend"]
+__all__ = ["MegatronSourceError", "TOPK_TIE_RULE", "attention_layer", "available_providers", "check_ready",
+           "core_attention", "describe", "known_deviations", "precision", "provider_name", "use_backend"]
 
 
 def provider_name(provider: str) -> str:

@@ -2,9 +2,10 @@
 each run in a fresh process (Python imports ``megatron`` once) with ``--impl megatron`` on the cases that reach it.
 
 A mutant is **killed** when, on every provider that executes its code, a case that passes on the clean tree fails or
-errors with the patch applied (``known`` is not a kill: a registered deviation is not the planted bug). ``dsv4-parity mutants --impl megatron`` prints one line per mutant and ends with
-``mutants: K/N killed``; it exits 0 iff every mutant was killed. A patch that no longer applies (upstream moved the
-line) is reported, never silently skipped.
+errors with the patch applied (``known`` is not a kill: a registered deviation is not the planted bug).
+``dsv4-parity mutants --impl megatron`` prints one line per mutant and ends with ``mutants: K/N killed``; it exits 0
+iff every mutant was killed. A patch that no longer applies (upstream moved the line) is reported, never silently
+skipped.
 
 The catalogue (:data:`MUTANTS`): the seed's three review bugs in the fused THD code, and more across production's
 PyTorch and fused paths. Each names the providers that execute its code and the smoke cases that reach it.
@@ -81,7 +82,8 @@ MUTANTS: tuple[Mutant, ...] = (
            ("unfused", "emulated"), ("8f5a75c53c73", "c63c8c6d34a6", "e053d36f816b")),
     Mutant("output_inverse_rope_dropped", "layer output: the inverse RoPE applied forward (inverse=False)",
            HYBRID, "                mla_rotary_interleaved=True,\n                inverse=True,\n"
-                   "                mla_output_remove_interleaving=True,\n                max_seqlen=rope_max_seqlen_kv,",
+                   "                mla_output_remove_interleaving=True,\n"
+                   "                max_seqlen=rope_max_seqlen_kv,",
            "                mla_rotary_interleaved=True,\n                inverse=False,\n"
            "                mla_output_remove_interleaving=True,\n                max_seqlen=rope_max_seqlen_kv,",
            ("unfused", "emulated"), ("c63c8c6d34a6", "e053d36f816b", "8cd3769bc4c5")),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from unittest import mock
 from typing import Any, Iterator, Optional
 
 import torch
@@ -99,15 +100,9 @@ def _wrap_topk_core(original, record: Record):
     return _indexer_topk_core
 
 
-@contextlib.contextmanager
-def patched(module, name: str, value) -> Iterator[None]:
+def patched(module, name: str, value):
     """``module.name = value`` inside the block (restored after, also on error)."""
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
+    return mock.patch.object(module, name, value)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ SUBSET = ("c63c8c6d34a6", "9a8dbea368d1", "f48d206efe5b", "140993f2140a", "03836
           "9595c54698e9", "75f2547b5d1e", "63e768a3e6d0", "e0c30660af6f")
 
 
-# ---- source lookup: clear errors --------------------------------------------------------------------------------------
+# ---- source lookup: clear errors -------------------------------------------------------------------------------------
 def test_a_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(source.MegatronSourceError, match="does not exist"):
         source.locate(str(tmp_path / "nowhere"))
@@ -70,7 +70,7 @@ def test_snapshot_extraction_is_idempotent(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [source.snapshot_id(archive)]  # no temporary left behind
 
 
-# ---- runs -------------------------------------------------------------------------------------------------------------
+# ---- runs ------------------------------------------------------------------------------------------------------------
 def _run(case_ids, provider):
     from cases.suites import load_suite
     from parity.engine import RunOptions, run_case
