@@ -34,6 +34,10 @@ def check_ready() -> None:
 def precision(case) -> str:
     """The precision production computes ``case`` in: float64 cases keep float32 islands (RoPE tables, YaRN ramp,
     ``.float()`` attention / indexer / loss math, fp32 sink and ``ape``), so they are judged at float32 level."""
+    from .promote import enabled
+
+    if enabled():  # DSV4_MEGATRON_PROMOTE=1: the islands promoted, judged at float64 level (diagnostic)
+        return case.dtype
     return "float32" if case.dtype == "float64" else case.dtype
 
 

@@ -80,9 +80,11 @@ def pg_collection(mg: Megatron):
     return pgs
 
 
-def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, device: str) -> Built:
-    """The layer for ``config`` in ``dtype`` with ``dsa_kernel_backend=backend`` (``none`` / ``cudnn``), cached."""
-    key = (config, dtype, backend, device)
+def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, device: str,
+          promoted: bool = False) -> Built:
+    """The layer for ``config`` in ``dtype`` with ``dsa_kernel_backend=backend`` (``none`` / ``cudnn``), cached;
+    ``promoted``: built with the float32 islands promoted (RoPE tables; :mod:`adapters.megatron.promote`)."""
+    key = (config, dtype, backend, device, promoted)
     if key in _CACHE:
         return _CACHE[key]
     used = []

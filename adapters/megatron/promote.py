@@ -13,6 +13,7 @@ The precision declaration follows: with the mode on, float64 cases are judged at
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from typing import Iterator
 
@@ -30,10 +31,15 @@ def _wide(value):
     return torch.float64 if value is torch.float32 else value
 
 
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("megatron_promote", default=False)
+
+
 class _Promote(TorchFunctionMode):
-    """float32 requests -> float64 (see the module docstring)."""
+    """float32 requests -> float64 while :func:`float64_case` is active (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not _ACTIVE.get():
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.float and args and args[0].dtype == torch.float64:
             return args[0]
@@ -45,10 +51,27 @@ class _Promote(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def promoted(active: bool) -> Iterator[None]:
-    """Promote the islands inside the block when ``active`` (a float64 case with the diagnostic on)."""
-    if not active:
+def mode() -> Iterator[None]:
+    """The promoting mode for a provider block (forward and backward), when the diagnostic is on; it acts only while
+    :func:`float64_case` marks a float64 case."""
+    if not enabled():
         yield
         return
     with _Promote():
         yield
+
+
+@contextlib.contextmanager
+def float64_case(active: bool) -> Iterator[None]:
+    """Mark the block as a float64 case's production call (build and forward; the backward follows the mark set
+    for the whole provider block by :func:`mark`)."""
+    token = _ACTIVE.set(bool(active and enabled()))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def mark(active: bool) -> None:
+    """Set the mark for the rest of the provider block (the backward runs after the forward's context closed)."""
+    _ACTIVE.set(bool(active and enabled()))

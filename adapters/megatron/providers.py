@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import standins
+from . import promote, standins
 from .build import Built, build
 from .loader import Megatron, load
 
@@ -100,6 +100,8 @@ def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
     handle = Handle(name, {f"megatron.{name}": "torch"})
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(promote.mode())
+            stack.enter_context(promote.float64_case(False))  # the block's mark, set by run_context's case
             if name == "emulated":  # forward and backward both call the kernel stand-ins
                 from . import emulated  # noqa: PLC0415 — imports fused.kernels only for this provider
 
@@ -116,11 +118,13 @@ def run_context(provider: str, config, like: torch.Tensor, training: bool) -> It
     mg = megatron()
     device = like.device.type
     backend = "cudnn" if provider in ("emulated", "cudnn") else "none"
+    wide = like.dtype == torch.float64 and promote.enabled()
+    promote.mark(wide)  # float32 islands promoted for this case's forward and backward (diagnostic)
     with contextlib.ExitStack() as stack:
         stack.enter_context(standins.cpu_device_calls(device == "cpu"))
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            built = build(mg, config, like.dtype, backend, device)
+            built = build(mg, config, like.dtype, backend, device, promoted=wide)
         built.module.train(training)
         yield mg, built
 
