@@ -58,35 +58,33 @@ MUTANTS: tuple[Mutant, ...] = (
            FUSED, 'precomputed_grad_q_indexer = ig["d_index_q"].permute(1, 0, 2, 3).contiguous()',
            'precomputed_grad_q_indexer = ig["d_index_q"].view(ig["d_index_q"].shape[1], '
            'ig["d_index_q"].shape[0], *ig["d_index_q"].shape[2:])',
-           ("emulated",), ("9a8dbea368d1", "45aaf0ad85c7", "a4c1c8af3ebd", "5ceb46b4501d", "7b2e415b196c",
-                           "2eb1db7b4212", "63e768a3e6d0", "e0c30660af6f"), nth=0),
+           ("emulated",), ("9a8dbea368d1", "2eb1db7b4212"), nth=0),
     Mutant("invalid_comp_rows_by_count", "cat_per_segment routes invalid (capacity-padding) compressed rows by the "
            "true count instead of the capacity: onto valid kv_full rows",
            CSA, "dst_comp = torch.where(valid_comp, dst_comp, total_kv + src_comp)",
            "dst_comp = torch.where(valid_comp, dst_comp, total_kv + src_comp - cu_seqlens_compressed[-1])",
-           ("unfused", "emulated"), ("03836235949d", "9595c54698e9", "6cd75c50f538", "17768d41d2ee",
-                                     "bcf15df26658", "ab101a5d94c2")),
+           ("unfused", "emulated"), ("6cd75c50f538", "03836235949d")),
     # ---- production's PyTorch path -----------------------------------------------------------------------------
     Mutant("sink_dropped_unfused", "unfused sparse attention: the sink left out of the softmax denominator",
            CSA, "attn_weights = exp_scores / (exp_scores.sum(dim=-1, keepdim=True) + exp_sink)",
            "attn_weights = exp_scores / exp_scores.sum(dim=-1, keepdim=True)",
-           ("unfused",), ("8f5a75c53c73", "e053d36f816b", "0c5fa57deecc")),
+           ("unfused",), ("8f5a75c53c73", "e053d36f816b")),
     Mutant("indexer_causal_off_by_one_unfused", "unfused BSHD indexer: compressed causal mask one token late",
            CSA, "positions = torch.arange(1, sq + 1, device=x.device).unsqueeze(1)",
            "positions = torch.arange(2, sq + 2, device=x.device).unsqueeze(1)",
-           ("unfused",), ("9a8dbea368d1", "45aaf0ad85c7", "a4c1c8af3ebd", "5ceb46b4501d", "7b2e415b196c")),
+           ("unfused",), ("9a8dbea368d1", "45aaf0ad85c7")),
     # ---- shared by both paths ------------------------------------------------------------------------------------
     Mutant("window_excludes_self", "sliding window (BSHD) drops the query's own position",
            CSA, "matrix = torch.where(matrix > base, -1, matrix)",
            "matrix = torch.where(matrix >= base, -1, matrix)",
-           ("unfused", "emulated"), ("8f5a75c53c73", "c63c8c6d34a6", "e053d36f816b")),
+           ("unfused", "emulated"), ("8f5a75c53c73", "e053d36f816b")),
     Mutant("output_inverse_rope_dropped", "layer output: the inverse RoPE applied forward (inverse=False)",
            HYBRID, "                mla_rotary_interleaved=True,\n                inverse=True,\n"
                    "                mla_output_remove_interleaving=True,\n"
                    "                max_seqlen=rope_max_seqlen_kv,",
            "                mla_rotary_interleaved=True,\n                inverse=False,\n"
            "                mla_output_remove_interleaving=True,\n                max_seqlen=rope_max_seqlen_kv,",
-           ("unfused", "emulated"), ("c63c8c6d34a6", "e053d36f816b", "8cd3769bc4c5")),
+           ("unfused", "emulated"), ("c63c8c6d34a6", "e053d36f816b")),
     Mutant("compressor_real_offsets", "THD compressor: segment boundaries from the real instead of the padded "
            "cu_seqlens", CSA,
            "            cu_seqlens = (\n                packed_seq_params.cu_seqlens_q_padded\n",
@@ -95,7 +93,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("fused_loss_coeff_ignored", "fused Path B: the indexer-loss coefficient read as 1",
            CSA, "indexer_loss_coeff = self.config.dsa_indexer_loss_coeff or 0.0",
            "indexer_loss_coeff = 1.0", ("emulated",),
-           ("9a8dbea368d1", "45aaf0ad85c7", "a4c1c8af3ebd", "5ceb46b4501d", "7b2e415b196c"), nth=0),
+           ("9a8dbea368d1", "45aaf0ad85c7"), nth=0),
 )
 
 

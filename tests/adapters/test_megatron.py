@@ -164,3 +164,22 @@ def test_every_real_code_mutant_is_killed():
     for o in outcomes:  # killed on every provider that executes the mutant's code
         m = next(m for m in mutants.MUTANTS if m.name == o.name)
         assert set(o.provider.split(",")) == set(m.providers), o
+
+
+@needs_megatron
+def test_promoted_islands_reach_float64_agreement(monkeypatch):
+    """DSV4_MEGATRON_PROMOTE=1: a float64 case is judged at float64 level and passes; without it the same case
+    carries float32-level error (negative control: the islands are real, and the declaration is what lets it pass)."""
+    from adapters.megatron import promote
+
+    case_id = "c63c8c6d34a6"  # float64, layer, BSHD, r = 0
+    plain = _run([case_id], "unfused")[case_id]
+    monkeypatch.setenv(promote.ENV, "1")
+    wide = _run([case_id], "unfused")[case_id]
+    assert plain.outcome == "pass" and plain.precision == "float32"
+    assert wide.outcome == "pass" and wide.precision is None
+
+    def worst(result):
+        return max(m.value for t in result.tensors for m in t.metrics if m.metric == "rel_l2")
+
+    assert worst(wide) < 1e-13 < 1e-9 < worst(plain)
