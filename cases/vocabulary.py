@@ -6,8 +6,11 @@ Defined here once (``cases/`` is the ground floor: the implementations, the engi
 from __future__ import annotations
 
 #: A case's outcome (``results.jsonl`` field ``outcome``): ``pass`` / ``fail`` (numeric or structural) / ``error``
-#: (an exception, a crashed worker) / ``unsupported`` (the implementation declined the case, or it needs a GPU).
-OUTCOMES = ("pass", "fail", "error", "unsupported")
+#: (an exception, a crashed worker) / ``unsupported`` (the implementation declined the case, or it needs a GPU) /
+#: ``known`` (a registered known deviation of the implementation: an expected failure, ``parity/known.py``).
+OUTCOMES = ("pass", "fail", "error", "unsupported", "known")
+#: Outcomes counted even when zero (``known`` appears only when some case has it, as in the ``end`` row).
+ALWAYS_COUNTED = ("pass", "fail", "error", "unsupported")
 
 #: Tensor classes (``results.jsonl`` field ``tensor_class``), in report order. ``grad_indexer``: the gradients of
 #: ``core_attention.indexer.*``, trained only by the KL loss.
@@ -23,3 +26,9 @@ class Unsupported(Exception):
 
     The engine reports the case as ``unsupported`` (not ``error``). Implementations raise a subclass (fused's
     ``StageUnsupported`` and ``BackendUnavailable``); ``NotImplementedError`` is read the same way."""
+
+
+def outcome_counts(found) -> dict[str, int]:
+    """``{outcome: count}`` in :data:`OUTCOMES` order from a mapping (or pandas value counts); ``known`` only when
+    some case has it."""
+    return {o: int(found.get(o, 0)) for o in OUTCOMES if o in ALWAYS_COUNTED or found.get(o, 0)}

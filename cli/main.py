@@ -69,6 +69,7 @@ implementation declined the case, or it needs a GPU). The exit code is 1 iff a c
 def _check_impls(args: argparse.Namespace, oracle: Optional[str]) -> None:
     """Usage errors before any case runs: unknown implementations, providers that cannot run here."""
     impl = load(args.impl)
+    impl.check_ready()
     impl.check_provider(args.provider)
     if getattr(args, "require", None):
         impl.check_provider(args.require)
@@ -152,7 +153,7 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
                        threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None),
                        force=getattr(args, "force", False), link=link, selection=selection_record(label, cases))
     counts, code = run(cases, config)
-    _say(summary_line(counts) + (f" [oracle {oracle}]" if oracle else ""))
+    _say(summary_line(counts, counts.get("fixed?", 0)) + (f" [oracle {oracle}]" if oracle else ""))
     return counts, code, out_dir, link
 
 
@@ -265,6 +266,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     args.given = resume_mod.given_options(parser, args.argv)
+    if getattr(args, "megatron", None):
+        os.environ["DSV4_MEGATRON"] = args.megatron
     configure_torch()
     try:
         return int(args.func(args) or 0)

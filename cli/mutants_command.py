@@ -12,7 +12,8 @@ from cases.errors import CaseError
 from parity import mutants
 from parity.mutation_suite import DEFAULT_OUT, DESCRIPTION, MUTANTS_NAME, mutation_suite
 
-from cli.options import PROVIDERS, add_selection_options, select_cases
+from parity.megatron_mutants import main as megatron_mutants
+from cli.options import PROVIDERS, add_megatron_argument, add_selection_options, select_cases
 from cli.report_command import render_run
 
 def _render_report(out_dir: Path) -> Optional[str]:
@@ -25,6 +26,8 @@ def _render_report(out_dir: Path) -> Optional[str]:
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
+    if args.impl == "megatron":  # real-code mutants: patches to a scratch copy of Megatron-LM
+        return megatron_mutants(args)
     registered = list(mutants.registered())
     if args.list:
         for name in registered:
@@ -65,6 +68,10 @@ def add_parsers(sub) -> dict:
     p = sub.add_parser("mutants", help="mutation suite: every planted bug (parity/mutants.py) must fail the suite",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_options(p)
+    p.add_argument("--impl", default="fused", choices=("fused", "megatron"),
+                   help="fused: the planted bugs of parity/mutants.py; megatron: patches to a scratch copy of "
+                        "Megatron-LM run with --impl megatron (unfused and emulated providers)")
+    add_megatron_argument(p)
     p.add_argument("--mutant", action="append", metavar="NAME", help="run only this mutant (repeatable)")
     p.add_argument("--list", action="store_true", help="list the mutants and their reach cells, and exit")
     p.add_argument("--keep-going", action="store_true",

@@ -13,7 +13,7 @@ from cases.suites import load_suite, suite_names
 from parity.engine import RunOptions
 from parity.runner import select
 
-PROVIDERS = ("auto", "torch", "cudnn", "flashmla")
+PROVIDERS = ("auto", "torch", "cudnn", "flashmla", "unfused", "emulated")
 
 
 def add_implementation_options(p: argparse.ArgumentParser, *, impl_default: str = "fused") -> None:
@@ -21,11 +21,22 @@ def add_implementation_options(p: argparse.ArgumentParser, *, impl_default: str 
                    help=f"implementation under test: reference, fused, or module[:attr] (default {impl_default})")
     p.add_argument("--against", default="reference", help="the implementation giving the truth (default reference)")
     p.add_argument("--provider", default="auto", choices=PROVIDERS,
-                   help="fused kernel provider; auto = per stage, the best available here (default auto)")
+                   help="kernel provider; auto = per stage, the best available here (default auto); megatron: "
+                        "unfused (production's PyTorch path), emulated (its fused path over the torch kernels), "
+                        "cudnn")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where to run (default: cuda if available); an explicit cpu also runs the cases "
                         "that ask for CUDA (e.g. --suite gate-cpu)")
     p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
+    add_megatron_argument(p)
+
+
+def add_megatron_argument(p: argparse.ArgumentParser) -> None:
+    """``--megatron PATH``: the Megatron-LM checkout ``--impl megatron`` tests (sets ``DSV4_MEGATRON`` for this
+    process and its workers; default: that variable, else the pinned snapshot)."""
+    p.add_argument("--megatron", metavar="PATH",
+                   help="Megatron-LM checkout for --impl megatron (default $DSV4_MEGATRON, else the pinned snapshot "
+                        "../shared/megatron/megatron-lm-dev-*.tar.gz)")
 
 
 def add_selection_options(p: argparse.ArgumentParser) -> None:

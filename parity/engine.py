@@ -43,6 +43,7 @@ from cases.coverage import features
 from cases.tensors import materialize
 
 from . import api_check, padding_dout
+from . import known
 from . import policy as policy_mod
 from . import sign_split, structure, verdict
 from .impls import Implementation, is_unsupported, policy_provider
@@ -133,7 +134,22 @@ class _PhaseClock:
 
 def run_case(case: Case, impl: Implementation, against: Implementation, options: RunOptions,
              policy: Optional[policy_mod.Policy] = None) -> CaseResult:
-    """Compare ``impl`` with ``against`` on ``case``; never raises for a problem of the case or the implementations."""
+    """Compare ``impl`` with ``against`` on ``case``; never raises for a problem of the case or the implementations.
+    A failure that the implementation's registry of known deviations explains becomes ``known``; a registered
+    deviation that did not reproduce is flagged ``fixed?`` (:mod:`parity.known`)."""
+    result = _decide_case(case, impl, against, options, policy)
+    entries = known.registry_for(impl)
+    if entries:
+        try:
+            known.apply(result, entries, impl.provider_name(impl.resolve_provider(options.provider)),
+                        known.architecture(options.torch_device()), str(impl.describe().get("revision", "")))
+        except Exception as exc:  # noqa: BLE001 — a broken registry is reported, never hides the verdict
+            result.message += f" [known-deviation registry: {one_line(exc)}]"
+    return result
+
+
+def _decide_case(case: Case, impl: Implementation, against: Implementation, options: RunOptions,
+                 policy: Optional[policy_mod.Policy] = None) -> CaseResult:
     policy = policy or (policy_mod.load(options.policy_path) if options.policy_path else policy_mod.default())
     start = time.perf_counter()
     provider = impl.resolve_provider(options.provider)
@@ -171,8 +187,13 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             with clock("sign_split"):
                 pattern = observe_pattern(case, impl, tensors, provider, options, policy)
         stage = f"{against.name} runs"
+        precision = impl.precision(case)
+        if precision != case.dtype:
+            result.precision = precision
+        result.not_provided = dict(impl_snap.not_provided)
         with clock("reference"):
-            truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern)
+            truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern,
+                                                precision)
         if pattern is None and sign_split.applies(case):
             note = "; ".join(filter(None, (note, "no sign-split (activation pattern over sign_split.max_elements)")))
         stage = "public compressor / indexer"
@@ -189,7 +210,7 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
             case_problems = problems.pop("*", [])
             tensors_out, report = verdict.judge_case_tensors(case, tensors, impl_snap, truth, noise, problems,
                                                              policy, policy_provider(impl_snap.record, provider),
-                                                             impl.tie_rule(impl_snap.record))
+                                                             impl.tie_rule(impl_snap.record), precision)
             if contract_leaks is not None:
                 tensors_out.append(verdict.contract_tensor(contract_leaks))
             outcome, decided_by, first, message = verdict.case_decision(tensors_out, case_problems)
@@ -222,10 +243,12 @@ def observe_pattern(case: Case, impl: Implementation, tensors, provider: str, op
 
 
 def reference_runs(case: Case, against: Implementation, tensors, split: Optional[torch.Tensor],
-                   pattern: Optional[sign_split.Pattern] = None) -> tuple:
+                   pattern: Optional[sign_split.Pattern] = None, precision: Optional[str] = None) -> tuple:
     """``(truth, noise, note)`` in split mode (and sign-split with ``pattern``). A selection the reference cannot
     even consume (malformed ids, which the structure rule reports) falls back to the reference's own selection, so
-    the other tensors are still compared; ``note`` then says so (else it is empty)."""
+    the other tensors are still compared; ``note`` then says so (else it is empty). ``precision`` below the case
+    dtype (an implementation's declared working precision): the noise run is the reference on the case tensors
+    rounded to it."""
     note = ""
     context = contextlib.nullcontext
     if pattern is not None:
@@ -241,8 +264,12 @@ def reference_runs(case: Case, against: Implementation, tensors, split: Optional
         note = "; ".join(filter(None, (note, f"split mode impossible ({one_line(exc)}); compared with the "
                                              f"reference's own selection")))
         truth = take_snapshot(against.api, case, tensors, upcast=True, context=context)
-    noise = truth if case.dtype == "float64" else take_snapshot(against.api, case, tensors, topk_indices=split,
-                                                      context=context)
+    if precision and precision != case.dtype:
+        cast = {"float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
+        noise = take_snapshot(against.api, case, tensors, topk_indices=split, cast=cast, context=context)
+    else:
+        noise = truth if case.dtype == "float64" else take_snapshot(against.api, case, tensors, topk_indices=split,
+                                                                    context=context)
     return truth, noise, note
 
 
@@ -269,7 +296,8 @@ def snapshots(case: Case, impl: Implementation, against: Implementation, options
     tensors = materialize(case, options.torch_device())
     impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
     pattern = observe_pattern(case, impl, tensors, provider, options, policy_mod.default())
-    truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern)
+    truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern,
+                                    impl.precision(case))
     api_runs(case, impl, against, tensors, provider, options.require, impl_snap, truth, noise)
     return tensors, impl_snap, truth, noise
 

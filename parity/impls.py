@@ -11,6 +11,11 @@ An implementation is an object (usually a module) exposing the public API of ARC
   record; without it the attribute ``TOPK_TIE_RULE``; without either ``"arbitrary"`` (only the value-based
   top-k protocol applies). ``reference`` declares ``lower-index``; ``fused`` per provider (``torch``:
   ``lower-index``, ``cudnn``: ``arbitrary``).
+* ``precision(case)`` — the dtype the implementation computes ``case`` in when below the case dtype (production's
+  float32 islands in a float64 run): its noise floor and tolerances are then that dtype's (default: the case dtype);
+* ``provider_name(provider)`` — the provider that ``provider`` (e.g. ``auto``) selects, as the implementation names it;
+* ``describe()`` — a dict for the run row (e.g. the revision of the code under test and the stand-ins in use);
+* ``known_deviations()`` — the registry of known behaviour that differs from the contract (:mod:`parity.known`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from cases.vocabulary import Unsupported
 
 from .topk import TIE_RULES
 
-BUILTIN = {"reference": "reference", "fused": "fused"}
+BUILTIN = {"reference": "reference", "fused": "fused", "megatron": "adapters.megatron"}
 
 
 class ImplError(ValueError):
@@ -74,6 +79,13 @@ class Implementation:
         """The provider to request: ``"none"`` without providers, else as given (``auto`` picks per stage)."""
         return provider if self.has_providers else "none"
 
+    def check_ready(self) -> None:
+        """Raise (a ``ValueError``) if the implementation cannot run at all here (its ``check_ready`` hook, e.g.
+        the code under test cannot be found or imported): a usage error, before any case runs."""
+        fn = self.optional_hook("check_ready")
+        if fn is not None:
+            fn()
+
     def check_provider(self, provider: str) -> None:
         """Raise :class:`ImplError` if a named provider cannot run here (a setup error, not a case outcome)."""
         if provider in ("auto", "none") or not self.has_providers:
@@ -96,6 +108,21 @@ class Implementation:
         if rule not in TIE_RULES:
             raise ImplError(f"{self.name} declares top-k tie rule {rule!r} (known: {', '.join(TIE_RULES)})")
         return rule
+
+    def provider_name(self, provider: str) -> str:
+        """The provider that ``provider`` (e.g. ``auto``) selects, as the implementation names it."""
+        fn = self.optional_hook("provider_name")
+        return str(fn(provider)) if fn is not None else provider
+
+    def precision(self, case) -> str:
+        """The dtype this implementation computes ``case`` in (the case dtype unless it declares otherwise)."""
+        fn = self.optional_hook("precision")
+        return str(fn(case)) if fn is not None else case.dtype
+
+    def describe(self) -> dict:
+        """What the run row records about the implementation (empty without a ``describe`` hook)."""
+        fn = self.optional_hook("describe")
+        return dict(fn()) if fn is not None else {}
 
     def context(self, provider: str, require: Optional[str] = None) -> Callable[[], ContextManager]:
         hooks = self.hooks

@@ -1,7 +1,8 @@
 """JUnit XML for CI, written from ``results.jsonl`` (one ``testcase`` per case).
 
-``fail`` → ``<failure>``, ``error`` → ``<error>``, ``unsupported`` → ``<skipped>``; the message is the first
-failure and the body holds the repro command, so a CI page shows how to re-run exactly that case.
+``fail`` → ``<failure>``, ``error`` → ``<error>``, ``unsupported`` → ``<skipped>``, ``known`` (a registered known
+deviation, an expected failure) → ``<skipped message="known deviation: <id>">``; the message is the first failure
+and the body holds the repro command, so a CI page shows how to re-run exactly that case.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def write_junit(results: Path, target: Path) -> Path:
     run = next((row for row in everything if row.get("type") == "run"), {})
     counts = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
     suite = ET.Element("testsuite", name=f"dsv4-parity.{run.get('suite', 'run')}", tests=str(len(rows)),
-                       failures=str(counts["fail"]), errors=str(counts["error"]), skipped=str(counts["unsupported"]),
+                       failures=str(counts["fail"]), errors=str(counts["error"]),
+                       skipped=str(counts["unsupported"] + counts["known"]),
                        time=f"{sum(float(r.get('duration_s') or 0) for r in rows):.3f}")
     props = ET.SubElement(suite, "properties")
     for key in ("run_id", "impl", "against", "provider"):
@@ -41,6 +43,10 @@ def write_junit(results: Path, target: Path) -> Path:
             ET.SubElement(tc, "error", message=row.get("message", ""), type="error").text = body
         elif row["outcome"] == "unsupported":
             ET.SubElement(tc, "skipped", message=row.get("message", ""))
+        elif row["outcome"] == "known":
+            known = row.get("known") or {}
+            ET.SubElement(tc, "skipped", message=f"known deviation: {known.get('id', '?')}",
+                          type="xfail").text = body
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(suite).write(target, encoding="utf-8", xml_declaration=True)

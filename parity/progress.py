@@ -12,6 +12,8 @@ import time
 from collections import Counter
 from typing import Optional
 
+from cases.vocabulary import ALWAYS_COUNTED, OUTCOMES
+
 #: Seconds between two plain progress lines (no terminal).
 EVERY_S = 30.0
 
@@ -55,11 +57,13 @@ class Progress:
     def done(self, row: dict) -> None:
         outcome = row["outcome"]
         self.outcomes[outcome] += 1
+        fixed = (row.get("known") or {}).get("status") == "fixed?"  # a registered known deviation that passed
         if outcome == "unsupported":
             self.unsupported[str(row.get("message") or "(no reason given)")] += 1
-        elif outcome != "pass":
-            style = {"fail": "red", "error": "magenta"}.get(outcome, "")
-            self._print(f"{outcome.upper():<11} {row['case_id']}  {row['message']}", style)
+        elif outcome != "pass" or fixed:
+            label = "FIXED?" if fixed else outcome.upper()
+            style = {"fail": "red", "error": "magenta", "known": "cyan"}.get("known" if fixed else outcome, "")
+            self._print(f"{label:<11} {row['case_id']}  {row['message']}", style)
             if row.get("repro"):
                 self._print(f"  repro: {row['repro']}")
         if self.bar is not None:
@@ -73,7 +77,7 @@ class Progress:
         done = sum(self.outcomes.values())
         elapsed = time.monotonic() - self.started
         eta = clock(elapsed / done * (self.total - done)) if done else "?"
-        so_far = ", ".join(f"{self.outcomes[o]} {o}" for o in ("pass", "fail", "error", "unsupported"))
+        so_far = ", ".join(f"{self.outcomes[o]} {o}" for o in OUTCOMES if o in ALWAYS_COUNTED or self.outcomes[o])
         return f"progress: {done}/{self.total} cases ({so_far}), {clock(elapsed)} elapsed, ETA {eta}"
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from cases.case import Case
-from cases.vocabulary import OUTCOMES
+from cases.vocabulary import ALWAYS_COUNTED, OUTCOMES
 
 from .verdict import MetricRow, TensorResult
 
@@ -54,6 +54,9 @@ class CaseResult:
     topk: Optional[dict] = None
     tensors: list = field(default_factory=list)  # verdict.TensorResult
     sign_split: Optional[dict] = None  # {adopted, rejected, window_usage} of the truth run (parity/sign_split.py)
+    not_provided: dict = field(default_factory=dict)  # {tensor: why the implementation has none}
+    precision: Optional[str] = None  # the implementation's declared working precision, when below the case dtype
+    known: Optional[dict] = None  # the known deviation that matched ({id, status, ...}), see parity.known
 
     @property
     def case_id(self) -> str:
@@ -65,7 +68,18 @@ class CaseResult:
                 "duration_s": round(self.duration_s, 4),
                 "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()},
                 "repro": self.repro, "features": self.features,
-                "plan": self.plan, "topk": self.topk, **({"sign_split": self.sign_split} if self.sign_split else {})}
+                "plan": self.plan, "topk": self.topk, **self._extra()}
+
+    def _extra(self) -> dict:
+        """Additive case-row fields, present only when set."""
+        out = {"sign_split": self.sign_split} if self.sign_split else {}
+        if self.not_provided:
+            out["not_provided"] = self.not_provided
+        if self.precision:
+            out["precision"] = self.precision
+        if self.known:
+            out["known"] = self.known
+        return out
 
     def rows(self) -> list[dict]:
         out = [self.case_row()]
@@ -99,7 +113,9 @@ class CaseResult:
                    first_failure=head["first_failure"], message=head["message"], duration_s=head["duration_s"],
                    phases_s=head.get("phases_s") or {}, repro=head["repro"], features=head["features"],
                    plan=head["plan"], topk=head["topk"],
-                   tensors=list(tensors.values()), sign_split=head.get("sign_split"))
+                   tensors=list(tensors.values()), sign_split=head.get("sign_split"),
+                   not_provided=head.get("not_provided") or {}, precision=head.get("precision"),
+                   known=head.get("known"))
 
 
 def dumps(row: dict) -> str:
@@ -250,13 +266,20 @@ def read_for_resume(path: Path) -> Existing:
 
 
 def counts(outcomes: Iterable[str]) -> dict:
-    c = {k: 0 for k in OUTCOMES}
+    """``{outcome: n}``; ``known`` (registered known deviations) only when some case has it."""
+    c = {k: 0 for k in ALWAYS_COUNTED}
     for o in outcomes:
         c[o] = c.get(o, 0) + 1
     return c
 
 
-def summary_line(c: dict) -> str:
-    n = sum(c.values())
-    return (f"{n} cases: {c['pass']} passed, {c['fail']} failed, {c['error']} errors, "
+def summary_line(c: dict, fixed: int = 0) -> str:
+    """``N cases: P passed, F failed, E errors, U unsupported``, plus ``, K known`` / ``, X fixed?`` when any."""
+    n = sum(c.get(o, 0) for o in OUTCOMES)
+    line = (f"{n} cases: {c['pass']} passed, {c['fail']} failed, {c['error']} errors, "
             f"{c['unsupported']} unsupported")
+    if c.get("known"):
+        line += f", {c['known']} known"
+    if fixed:
+        line += f", {fixed} fixed?"
+    return line

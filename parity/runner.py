@@ -171,6 +171,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     if workers > 1:
         todo = shard.by_cost(todo, device)  # the shared queue: most expensive first (LPT)
     outcomes = dict(existing.outcomes)
+    fixed: list[str] = []  # cases where a registered known deviation did not reproduce
     # intra-op threads of the processes running the cases (recorded; None: each child's own default)
     threads_before, threads = None, slots[0].threads
     if mode == "none":
@@ -187,7 +188,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
                        "argv": list(config.argv), "env": environment(device),
                        "options": asdict(opts), "workers": workers, "devices": [s.device for s in slots],
                        "threads": threads, "selection": config.selection or {},
-                       "planned": [c.id for c in cases]}])
+                       "planned": [c.id for c in cases], **_impl_info(opts.impl)}])
     if config.link is not None:
         point_link(config.link, out_dir)  # from its start, `latest` names this run
     if config.resume and (existing.outcomes or existing.cut or existing.errored):
@@ -201,6 +202,8 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     def finished(case: Case, rows: list[dict], slot: Slot) -> None:
         writer.write(results.sealed(_tag(rows, slot)))
         outcomes[case.id] = rows[0]["outcome"]
+        if (rows[0].get("known") or {}).get("status") == "fixed?":
+            fixed.append(case.id)
         progress.done(rows[0])
 
     deadline = None if config.budget_s is None else started + config.budget_s
@@ -248,6 +251,8 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
               f"space, then continue with: {resume_command(out_dir)}", file=sys.stderr)
         return counts, 2
     end = {"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}
+    if fixed:
+        end["fixed"] = fixed
     if not_run:
         end.update(stopped="budget", budget_s=config.budget_s, not_run=not_run)
         print(f"budget of {config.budget_s:g} s spent: {len(not_run)} of {len(cases)} cases not run "
@@ -266,7 +271,18 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         except OSError as exc:
             print(f"error: junit: cannot write {config.junit}: {exc.strerror or exc}", file=sys.stderr)
             code = 2
+    if fixed:
+        counts = dict(counts, **{"fixed?": len(fixed)})
     return counts, code
+
+
+def _impl_info(name: str) -> dict:
+    """``{"impl_info": ...}`` for the run row when the implementation describes itself (revision, stand-ins)."""
+    try:
+        info = load_impl(name).describe()
+    except Exception as exc:  # noqa: BLE001 — the run row is informative; the cases report real problems
+        return {"impl_info": {"error": str(exc)}}
+    return {"impl_info": info} if info else {}
 
 
 class Interrupted(KeyboardInterrupt):

@@ -83,6 +83,7 @@ class Snapshot:
     tensors: dict[str, Optional[torch.Tensor]]
     mutated: list[str] = field(default_factory=list)  # inputs / metadata the implementation wrote to
     record: Optional[dict] = None  # {stage: provider} that ran, when the context reports it
+    not_provided: dict = field(default_factory=dict)  # {tensor: why the implementation has no such tensor}
 
     def __getitem__(self, name: str) -> Optional[torch.Tensor]:
         return self.tensors.get(name)
@@ -107,18 +108,22 @@ def _call(module, case: Case, inputs: dict, params: dict, psp, topk_indices) -> 
 
 def take_snapshot(module, case: Case, tensors: CaseTensors, *, upcast: bool = False,
                   topk_indices: Optional[torch.Tensor] = None,
-                  context: Callable[[], ContextManager] = contextlib.nullcontext, with_loss: bool = True) -> Snapshot:
+                  context: Callable[[], ContextManager] = contextlib.nullcontext, with_loss: bool = True,
+                  cast: Optional[torch.dtype] = None) -> Snapshot:
     """Run ``module.attention_layer`` / ``core_attention`` forward and backward on fresh leaves.
 
     ``upcast``: run on the float64 upcast of the case tensors (the truth run: the case-dtype values, exactly);
     else on copies in the case dtype (``attn_sink`` / ``ape`` stay fp32 in bf16 as materialised).
     ``topk_indices``: split mode (the reference with the implementation's selection).
     ``with_loss=False``: the gradients of ``sum(out · dO)`` alone (the indexer loss left out of the objective).
+    ``cast``: run on the case tensors rounded to this dtype (the precision floor of an implementation that computes
+    below the case dtype, :func:`parity.impls.Implementation.precision`); the results are upcast back to the case
+    dtype (exactly), so their metadata matches the case's.
     """
-    dtype = torch.float64 if upcast else None
+    dtype = torch.float64 if upcast else cast
     inputs = {n: _leaf(t, dtype) for n, t in tensors.inputs.items()}
     params = {n: _leaf(t, dtype) for n, t in tensors.params.items()}
-    d_out = tensors.grad_output.to(torch.float64) if upcast else tensors.grad_output.clone()
+    d_out = tensors.grad_output.to(dtype) if dtype is not None else tensors.grad_output.clone()
     psp = tensors.packed_seq_params
     if psp is not None:  # a private copy: an implementation that writes to it must not corrupt the next run
         psp = dataclasses.replace(psp, cu_seqlens_q=psp.cu_seqlens_q.clone(),
@@ -151,7 +156,12 @@ def take_snapshot(module, case: Case, tensors: CaseTensors, *, upcast: bool = Fa
         out[name] = None if value is None else value.detach()
     for name, g in zip(names, grads):
         out[name] = None if g is None else g.detach()
-    return Snapshot(out, mutated, dict(record) if record is not None else None)
+    if cast is not None and not upcast:
+        back = case.torch_dtype
+        out = {k: v.to(back) if v is not None and v.is_floating_point() and v.dtype == cast else v
+               for k, v in out.items()}
+    not_provided = dict(getattr(result, "not_provided", None) or {})
+    return Snapshot(out, mutated, dict(record) if record is not None else None, not_provided)
 
 
 def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,8 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
         problems["*"].append(f"the implementation modified {what} in place")
 
     for name in dict.fromkeys(expect.names + impl.names):
+        if name in impl.not_provided:
+            continue  # the implementation declares it has no such tensor (reported on the case row)
         a, e = impl[name], expect[name]
         if (a is None) != (e is None):
             present = a if a is not None else e

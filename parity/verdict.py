@@ -41,6 +41,7 @@ from .padding_dout import TENSOR, verdict_message
 from .policy import Policy, Tolerance
 from .snapshot import Snapshot, is_row_tensor, real_rows, role, scores_of, tensor_class
 
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 RULES = ("structure", "contract", "noise_floor", "similarity", "aggregate", "tie_margin")
 
 # gating metric -> (rule, policy attribute, kind); kind "max" = value <= threshold, "floor" = value >= 1 - eps
@@ -154,12 +155,19 @@ def _restrict(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: Snapshot, noise: Snapshot,
                        problems: dict, policy: Policy, provider: str,
-                       tie_rule: str = "arbitrary") -> tuple[list, Optional[topk_protocol.TopkReport]]:
-    """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer). ``tie_rule``: the
-    implementation's declared top-k tie rule (:data:`parity.topk.TIE_RULES`)."""
+                       tie_rule: str = "arbitrary", precision: Optional[str] = None
+                       ) -> tuple[list, Optional[topk_protocol.TopkReport]]:
+    """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer).
+
+    ``tie_rule``: the implementation's declared top-k tie rule (:data:`parity.topk.TIE_RULES`). ``precision``: the
+    dtype the implementation declares it computes the case in (default the case dtype); the tolerances, ULP floor
+    and tie margins are that dtype's (the noise run was made in it)."""
     mask = tensors.real_rows.cpu()
+    precision = precision or case.dtype
     results, report = [], None
     for name in dict.fromkeys(truth.names + impl.names):
+        if name in impl.not_provided:
+            continue
         a, r, p = impl[name], truth[name], noise[name]
         cls = tensor_class(name)
         shown = a if a is not None else p
@@ -172,7 +180,7 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
         if a is None or r is None:
             continue  # absent in both (checked by structure)
         if role(name) == "topk_indices":
-            rep = _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule)
+            rep = _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule, precision)
             report = rep if name == "topk_indices" else report  # the case row's summary: the layer's selection
             continue
         ar, rr, pr = _restrict(name, a, mask), _restrict(name, r, mask), _restrict(name, p, mask)
@@ -184,8 +192,8 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
             pr = torch.where(torch.isfinite(pr), pr, rr)
         else:
             inf = int(torch.isinf(ar).sum())
-        tol = policy.tolerance(cls, case.dtype, provider)
-        dtype = case.torch_dtype  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
+        tol = policy.tolerance(cls, precision, provider)
+        dtype = DTYPES[precision]  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
         verdict, rule, rows, msg = judge_numeric(name, cls, ar, rr, pr, dtype, tol, policy.scalar_numel, nan, inf)
         if verdict == "fail":
             msg += where_worst(case, name, a, r, mask if is_row_tensor(name) else None)
@@ -193,14 +201,14 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
     return results, report
 
 
-def _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule):
+def _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule, precision):
     k = case.config.dsa_indexer_topk
     scores = truth[scores_of(name)]
     rs = real_rows(metrics.as_f64(scores), mask)
     ps = noise[scores_of(name)]
-    ims = impl[scores_of(name)]
-    knobs = policy.topk(case.dtype)
-    score_dtype = torch.float64 if case.dtype == "float64" else torch.float32
+    ims = None if scores_of(name) in impl.not_provided else impl[scores_of(name)]
+    knobs = policy.topk(precision)
+    score_dtype = torch.float64 if precision == "float64" else torch.float32
     idx = real_rows(a.cpu().to(torch.int64), mask)
     rep = topk_protocol.compare(idx.reshape(idx.shape[0], -1), rs,
                                 None if ims is None else real_rows(metrics.as_f64(ims), mask),

@@ -23,7 +23,7 @@ from typing import Any
 
 import pandas as pd
 
-from cases.vocabulary import OUTCOMES
+from cases.vocabulary import outcome_counts
 
 from .drift import GateConfig
 from .errors import ReportError
@@ -71,8 +71,7 @@ def provenance(run: dict[str, Any], counts: dict[str, int], complete: bool,
 
 
 def _counts(table: pd.DataFrame) -> dict[str, int]:
-    found = table.drop_duplicates("case_id")["outcome"].value_counts()
-    return {o: int(found.get(o, 0)) for o in OUTCOMES}
+    return outcome_counts(table.drop_duplicates("case_id")["outcome"].value_counts())
 
 
 def available(root: Path = BASELINES_ROOT) -> list[str]:

@@ -208,9 +208,12 @@ def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateCo
 
 
 def _new_failures(current: pd.DataFrame, baseline: pd.DataFrame, both: pd.DataFrame) -> pd.DataFrame:
-    """Tensors that went pass -> fail, and cases that went pass -> fail/error (one row each)."""
+    """Tensors that went pass -> fail, and cases that went pass -> fail/error (one row each). Tensors of a case whose
+    outcome is ``known`` (a registered known deviation) are not new failures."""
     columns = ["case_id", "tensor", "baseline", "current"]
-    tensor_rows = both.loc[(both["verdict_base"] == "pass") & (both["verdict"] == "fail"), KEY]
+    known = set(current.loc[current["outcome"] == "known", "case_id"]) if "outcome" in current else set()
+    tensor_rows = both.loc[(both["verdict_base"] == "pass") & (both["verdict"] == "fail") &
+                           ~both["case_id"].isin(known), KEY]
     found = [tensor_rows.assign(baseline="pass", current="fail")]
     cur_outcome = current.drop_duplicates("case_id").set_index("case_id")["outcome"]
     base_outcome = baseline.drop_duplicates("case_id").set_index("case_id")["outcome"]

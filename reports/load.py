@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from cases.vocabulary import OUTCOMES, TENSOR_CLASSES
+from cases.vocabulary import OUTCOMES, TENSOR_CLASSES, outcome_counts
 
 from .errors import ReportError
 from .schema import usage_array
@@ -76,8 +76,7 @@ class RunData:
     @property
     def counts(self) -> dict[str, int]:
         """Case outcomes counted from the case rows (the ``end`` row's counts are only cross-checked)."""
-        found = self.cases["outcome"].value_counts()
-        return {o: int(found.get(o, 0)) for o in OUTCOMES}
+        return outcome_counts(self.cases["outcome"].value_counts())
 
     @property
     def directory(self) -> Path:

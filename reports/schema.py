@@ -79,3 +79,5 @@ def usage_array(metric: np.ndarray, value: np.ndarray, threshold: np.ndarray) ->
     out = np.where(allowed <= 0.0, np.where(spent <= 0.0, 0.0, np.inf), out)
     out = np.where(np.isnan(value), np.inf, out)
     return np.where(np.isnan(threshold), np.nan, out)
+
+

@@ -14,7 +14,7 @@ from cases.vocabulary import OUTCOMES, TENSOR_CLASSES
 from .drift import DriftResult
 from .load import RunData
 
-SEVERITY = {"fail": 0, "error": 1, "unsupported": 3, "pass": 2}
+SEVERITY = {"fail": 0, "error": 1, "unsupported": 4, "pass": 3, "known": 2}
 
 
 def _class_key(series: pd.Series) -> pd.Series:

@@ -16,7 +16,7 @@ from .drift import DriftResult
 from .load import RunData
 from .summary import class_summary, offenders, outcome_by_class, plan_counts, topk_regimes
 
-OUTCOME_STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta", "unsupported": "yellow"}
+OUTCOME_STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta", "unsupported": "yellow", "known": "cyan"}
 #: The engine writes ±inf as ±1.7976931348623157e308 (strict JSON); anything this large is shown as inf.
 INF_SENTINEL = 1e308
 STATUS_STYLE = {"regression": "bold red", "improvement": "green", "steady": "", "no pairs": "dim"}

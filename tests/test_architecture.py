@@ -16,7 +16,7 @@ FORBIDDEN = {
     "fused": set(PACKAGES) - {"cases", "fused"},
     # the production code under test: the data model, and fused's kernel providers for the emulated provider only
     "adapters": {"reference", "fused", "parity", "reports", "bench", "cli"},
-    "parity": {"adapters", "reports", "bench", "cli"},
+    "parity": {"reports", "bench", "cli"},  # implementations by name, like reference / fused (the mutation suites)
     "reports": {"reference", "fused", "adapters", "parity", "bench", "cli"},
     "bench": {"adapters", "cli"},
     "cli": set(),
@@ -70,6 +70,32 @@ def violations(package: str, root: pathlib.Path = ROOT) -> list[str]:
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_dependency_direction(package):
     assert violations(package) == []
+
+
+def adapter_violations(root: pathlib.Path = ROOT) -> list[str]:
+    """adapters/ may import cases (and parity's hooks never); of fused only fused.kernels; never reference."""
+    found = []
+    for path in sorted((root / "adapters").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for name in names:
+                top = name.split(".")[0]
+                if top in ("reference", "reports") or (top == "fused" and not name.startswith("fused.kernels")):
+                    found.append(f"{path.relative_to(root)} imports {name}")
+    return found
+
+
+def test_adapters_import_only_cases_and_fused_kernels():
+    assert adapter_violations() == []
+
+
+def test_adapter_check_catches_a_composition_import(tmp_path):
+    """Negative control: an adapter importing fused's composition is reported."""
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "bad.py").write_text("from fused.core_attention import run_core\nimport fused.kernels\n")
+    assert adapter_violations(tmp_path) == ["adapters/bad.py imports fused.core_attention"]
 
 
 def test_dependency_check_catches_a_forbidden_import(tmp_path):

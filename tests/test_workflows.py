@@ -158,11 +158,14 @@ def make_dry_run(*args: str) -> str:
 
 
 def test_make_parity_is_unchanged_without_the_ci_hooks_and_passes_them_on():
-    plain = make_dry_run("parity")
-    assert plain == ("python3 -m cli run --suite smoke --provider auto --workers auto --out reports/out/latest "
-                     "--make-default")
-    hooked = make_dry_run("parity", "JUNIT=out/junit.xml", "RUN_ARGS=--impl megatron --megatron /src/Megatron-LM")
-    assert hooked == plain + " --junit out/junit.xml --impl megatron --megatron /src/Megatron-LM"
+    run = "python3 -m cli run --suite smoke --provider auto --workers auto --out reports/out/latest --make-default"
+    oracles = (" for oracle in padding-dout; do python3 -m cli run --suite smoke --oracle $oracle --provider auto "
+               "--quiet || exit 1; done")  # the CPU-only metamorphic oracles (CPU_ORACLES)
+    plain = make_dry_run("parity", "CPU_ORACLES=padding-dout")
+    assert plain == run + oracles
+    hooked = make_dry_run("parity", "CPU_ORACLES=padding-dout", "JUNIT=out/junit.xml",
+                          "RUN_ARGS=--impl megatron --megatron /src/Megatron-LM")
+    assert hooked == run + " --junit out/junit.xml --impl megatron --megatron /src/Megatron-LM" + oracles
     assert make_dry_run("drift", "OUT=out") == "python3 -m cli compare out --baseline auto"
     assert make_dry_run("summary", "OUT=out", "BASELINE=production") == (
         "python3 -m cli report out --format markdown --no-html --no-csv --baseline production")

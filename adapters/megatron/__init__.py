@@ -1,0 +1,58 @@
+"""``--impl megatron``: Megatron-LM ``dev``'s DSv4 hybrid attention (the production code) as an implementation under
+test, with no edit of Megatron's files.
+
+Public API (ARCHITECTURE.md): ``attention_layer``, ``core_attention`` (production's layer / core attention; every
+output field is production's own tensor, read by recorders). ``compressor`` / ``indexer`` are not provided.
+
+Harness hooks (``parity/impls.py``): ``use_backend(provider=..., require=...)`` and ``available_providers()`` —
+providers ``unfused`` / ``emulated`` / ``cudnn`` (:mod:`adapters.megatron.providers`); ``precision(case)`` — the
+dtype production computes a case in (float32 islands in float64 runs); ``describe()`` — Megatron's revision and the
+stand-ins in use (the run row); ``known_deviations`` — the registry of production behaviour that differs from the
+contract (``known_deviations.json``, :mod:`parity.known`); ``TOPK_TIE_RULE = "arbitrary"`` (``torch.topk``
+among exact ties).
+
+Where Megatron comes from: ``DSV4_MEGATRON`` (set by ``--megatron PATH``) or the pinned snapshot
+(:mod:`adapters.megatron.source`).
+"""
+
+from .layer import attention_layer, core_attention
+from .providers import available_providers, describe, use_backend
+from .source import MegatronSourceError
+
+#: declared top-k tie behaviour: production uses torch.topk (dsa.py), arbitrary among exact ties
+TOPK_TIE_RULE = "arbitrary"
+
+
+def check_ready() -> None:
+    """Locate and import Megatron-LM now: a missing path, a checkout without DSv4 code or a revision whose API
+    differs raises :class:`MegatronSourceError` (one line, naming where it looked)."""
+    from .providers import megatron
+
+    megatron()
+
+
+def precision(case) -> str:
+    """The precision production computes ``case`` in: float64 cases keep float32 islands (RoPE tables, YaRN ramp,
+    ``.float()`` attention / indexer / loss math, fp32 sink and ``ape``), so they are judged at float32 level."""
+    from .promote import enabled
+
+    if enabled():  # DSV4_MEGATRON_PROMOTE=1: the islands promoted, judged at float64 level (diagnostic)
+        return case.dtype
+    return "float32" if case.dtype == "float64" else case.dtype
+
+
+__all__ = ["MegatronSourceError", "TOPK_TIE_RULE", "attention_layer", "available_providers", "check_ready",
+           "core_attention", "describe", "known_deviations", "precision", "provider_name", "use_backend"]
+
+
+def provider_name(provider: str) -> str:
+    """``auto`` (and the generic ``torch``) select ``unfused``."""
+    return "unfused" if provider in ("auto", "none", "torch") else provider
+
+
+def known_deviations() -> list:
+    """The committed registry (``known_deviations.json``) of production behaviour that differs from the contract."""
+    import json
+    from pathlib import Path
+
+    return json.loads(Path(__file__).with_name("known_deviations.json").read_text(encoding="utf-8"))["entries"]

@@ -1,0 +1,110 @@
+"""Build production's ``DSv4HybridSelfAttention`` for a :class:`cases.config.ModelConfig`, once per
+(config, dtype, provider, options) in a process.
+
+The config maps field by field (this project's ``ModelConfig`` uses Megatron's names); ``num_layers = 1`` and
+``csa_compress_ratios = [r]``. The spec comes from Megatron's own ``get_dsv4_hybrid_module_spec_for_backend`` with
+its ``LocalSpecProvider``, whose missing ``linear()`` is TE's ``TELinear`` when TE is importable, else the
+:class:`~adapters.megatron.standins.PlainLinear` stand-in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+import torch
+
+from cases.config import ModelConfig
+
+from . import standins
+from .loader import Megatron
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Built:
+    """A production layer ready for ``functional_call``: ``module`` (eval/train set per call) and its parameter
+    names (production's ``named_parameters()``)."""
+
+    module: torch.nn.Module
+    names: tuple[str, ...]
+    standins: tuple[str, ...]
+
+
+_CACHE: dict[tuple, Built] = {}
+
+
+def transformer_config(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str):
+    """Production's ``MLATransformerConfig`` for one layer of ``config``."""
+    c = config
+    cls = mg.modules["megatron.core.transformer.transformer_config"].MLATransformerConfig
+    kwargs = dict(
+        num_layers=1, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+        multi_latent_attention=True, experimental_attention_variant="dsv4_hybrid",
+        csa_compress_ratios=[c.compress_ratio], csa_window_size=c.csa_window_size, csa_dense_mode=c.csa_dense_mode,
+        q_lora_rank=c.q_lora_rank, v_head_dim=c.v_head_dim, qk_head_dim=c.qk_head_dim,
+        qk_pos_emb_head_dim=c.qk_pos_emb_head_dim, kv_channels=c.v_head_dim, o_groups=c.o_groups,
+        o_lora_rank=c.o_lora_rank, dsa_indexer_n_heads=c.dsa_indexer_n_heads,
+        dsa_indexer_head_dim=c.dsa_indexer_head_dim, dsa_indexer_topk=c.dsa_indexer_topk,
+        dsa_indexer_loss_coeff=float(c.dsa_indexer_loss_coeff),
+        dsa_indexer_use_sparse_loss=c.dsa_indexer_use_sparse_loss,
+        calculate_per_token_loss=c.calculate_per_token_loss, rotary_base=c.rotary_base,
+        csa_compress_rotary_base=c.csa_compress_rotary_base, rotary_scaling_factor=c.rotary_scaling_factor,
+        original_max_position_embeddings=c.original_max_position_embeddings, beta_fast=c.beta_fast,
+        beta_slow=c.beta_slow, layernorm_epsilon=c.layernorm_epsilon, normalization="RMSNorm", qk_layernorm=True,
+        add_bias_linear=False, apply_rope_fusion=False, dsa_kernel_backend=backend, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+    )
+    return cls(**kwargs)
+
+
+def _backend(mg: Megatron):
+    """Megatron's ``LocalSpecProvider`` plus ``linear()`` (TE's ``TELinear`` when importable)."""
+    base = mg.modules["megatron.core.models.backends"].LocalSpecProvider
+    if mg.has_te:
+        from megatron.core.extensions.transformer_engine import TELinear  # noqa: PLC0415 — only with TE
+        linear = TELinear
+    else:
+        # the layer accepts only TELinear for linear_q_down_proj: the stand-in takes that name in its module
+        mg.module("deepseek_v4_hybrid_attention").TELinear = standins.PlainLinear
+        linear = standins.PlainLinear
+    return type("DSv4ParityBackend", (base,), {"linear": lambda self: linear})()
+
+
+def pg_collection(mg: Megatron):
+    cls = mg.modules["megatron.core.process_groups_config"].ProcessGroupCollection
+    group = standins.one_rank_group()
+    pgs = cls()
+    pgs.tp = group
+    pgs.cp = group
+    return pgs
+
+
+def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, device: str,
+          promoted: bool = False) -> Built:
+    """The layer for ``config`` in ``dtype`` with ``dsa_kernel_backend=backend`` (``none`` / ``cudnn``), cached;
+    ``promoted``: built with the float32 islands promoted (RoPE tables; :mod:`adapters.megatron.promote`)."""
+    key = (config, dtype, backend, device, promoted)
+    if key in _CACHE:
+        return _CACHE[key]
+    used = []
+    specs = mg.modules["megatron.core.models.gpt.experimental_attention_variant_module_specs"]
+    spec_utils = __import__("megatron.core.transformer.spec_utils", fromlist=["build_module"])
+    with standins.cpu_device_calls(device == "cpu"):
+        cfg = transformer_config(mg, config, dtype, backend)
+        spec = specs.get_dsv4_hybrid_module_spec_for_backend(cfg, _backend(mg))
+        module = spec_utils.build_module(spec, config=cfg, layer_number=1, pg_collection=pg_collection(mg))
+    if not mg.has_te:
+        used.append("plain-linear (no TransformerEngine)")
+    used += ["process-group (1-rank gloo)"]
+    if device == "cpu":
+        used.append("cpu-device (torch.cuda.current_device)")
+    module.to(device)
+    names = tuple(n for n, _ in module.named_parameters())
+    built = Built(module, names, tuple(used))
+    _CACHE[key] = built
+    return built
+
+
+def fields_of(config: ModelConfig) -> dict:
+    return dataclasses.asdict(config)

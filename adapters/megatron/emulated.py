@@ -1,0 +1,159 @@
+"""The ``emulated`` provider: production's fused composition (``dsa_kernel_backend="cudnn"``) over this project's
+contract-exact torch kernels (``fused.kernels.torch_provider``) standing in for ``cudnn.DSA`` and ``flash_mla``.
+
+Megatron's own fused code (Paths A/B/C, THD capacity padding, compaction, local -> global, the fused indexer loss)
+then runs on a CPU. Shims, all inside :func:`installed` and restored after (none edits Megatron's files):
+
+* ``cudnn`` / ``flash_mla`` modules in ``sys.modules`` when the real packages are not importable: ``cudnn.DSA.<stage>
+  _wrapper`` and ``flash_mla.flash_mla_sparse_fwd`` call the torch kernel provider (same argument names). FlashMLA's
+  ``d_v`` defaults to 512 and Megatron never passes it: the stand-in reads at most the key width;
+  ``indexer_topk > 0`` returns the LSE over the first ``indexer_topk`` slots as a fourth value, as ``nv_dev`` does;
+* the backend validation's CUDA test (``transformer_config._validate_dsa_kernel_backend_dependencies``) checks only
+  that the two packages import;
+* ``torch.cuda.get_device_capability`` reads ``(10, 0)`` on a CPU (sm100: the r = 4 dense loss is allowed and the
+  top-k alignment is 64; the H200's ``(9, 0)`` refuses the dense loss in config validation);
+* ``torch.cuda.nvtx.range`` is a no-op on a CPU.
+
+Not exercised on a CPU (branches on ``tensor.is_cuda``): the compaction fallback (``fused_sparse_attention.py:629``),
+head padding (``dsa_cudnn_kernels.py:397, 1598, 2055``); the fused compressor (``cudnn.csa``) is sm100-only and
+production keeps the eager compressor; the Triton teacher LSE falls back to torch for CPU tensors
+(``csa_teacher_lse.py:307``).
+
+The LSE and the fused top-k / scores are recorded from production's own functions (``recorders.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import sys
+import types
+from typing import Iterator
+
+import torch
+
+from fused.kernels.torch_provider import TorchKernels
+
+from .loader import Megatron
+from .recorders import patched
+
+FUSED = "megatron.core.transformer.experimental_attention_variant.csa_utils.fused_sparse_attention"
+CUDNN_KERNELS = "megatron.core.transformer.experimental_attention_variant.dsa_cudnn_kernels"
+#: cudnn.DSA wrapper -> torch kernel provider method
+WRAPPERS = {
+    "indexer_forward_wrapper": "indexer_forward",
+    "indexer_top_k_wrapper": "indexer_top_k",
+    "compactify_wrapper": "compactify",
+    "sparse_attention_backward_wrapper": "sparse_attn_bwd",
+    "sparse_attn_score_recompute_wrapper": "sparse_attn_score_recompute",
+    "sparse_indexer_score_recompute_wrapper": "sparse_indexer_score_recompute",
+    "dense_attn_score_recompute_wrapper": "dense_attn_score_recompute",
+    "dense_indexer_score_recompute_wrapper": "dense_indexer_score_recompute",
+    "indexer_backward_wrapper": "indexer_backward",
+    "dense_indexer_backward_wrapper": "dense_indexer_backward",
+}
+DEVICE_CAPABILITY = (10, 0)
+
+
+class Kernels:
+    """The kernel provider the stand-ins call (a mutant may swap it for one with a planted wrapper behaviour)."""
+
+    provider = TorchKernels()
+
+
+def _wrapper(method: str):
+    target = getattr(TorchKernels, method)
+
+    @functools.wraps(target)
+    def call(*args, **kwargs):
+        return getattr(Kernels.provider, method)(*args, **kwargs)
+
+    call.__name__ = method + "_wrapper"
+    return call
+
+
+def dsa_namespace() -> types.SimpleNamespace:
+    """``cudnn.DSA``'s stand-in: one ``<stage>_wrapper`` per production call site, delegating to the provider."""
+    return types.SimpleNamespace(**{name: _wrapper(method) for name, method in WRAPPERS.items()})
+
+
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, indexer_topk=0):
+    """FlashMLA ``nv_dev`` ``flash_mla_sparse_fwd`` over the torch provider: ``(out, max_logits, lse)`` plus
+    ``lse_indexer`` (over the first ``indexer_topk`` slots, no sink) when ``indexer_topk > 0``."""
+    width = min(int(d_v), kv.shape[-1])
+    out, max_logits, lse = Kernels.provider.sparse_attn_fwd(q, kv, indices, sm_scale, d_v=width,
+                                                             attn_sink=attn_sink, topk_length=topk_length)
+    if indexer_topk <= 0:
+        return out, max_logits, lse
+    _, _, lse_indexer = Kernels.provider.sparse_attn_fwd(q, kv, indices[..., :indexer_topk].contiguous(), sm_scale,
+                                                         d_v=width)
+    return out, max_logits, lse, lse_indexer
+
+
+def _stub_modules() -> dict:
+    """``{module name: stand-in}`` for the kernel packages that are not importable here."""
+    out = {}
+    if importlib.util.find_spec("cudnn") is None or not torch.cuda.is_available():
+        cudnn = types.ModuleType("cudnn")
+        cudnn.DSA = dsa_namespace()
+        cudnn.__doc__ = "dsv4-parity stand-in: cudnn.DSA over the torch kernel provider"
+        out["cudnn"] = cudnn
+    if importlib.util.find_spec("flash_mla") is None or not torch.cuda.is_available():
+        flash_mla = types.ModuleType("flash_mla")
+        flash_mla.flash_mla_sparse_fwd = flash_mla_sparse_fwd
+        flash_mla.__doc__ = "dsv4-parity stand-in: flash_mla_sparse_fwd over the torch kernel provider"
+        out["flash_mla"] = flash_mla
+    return out
+
+
+@contextlib.contextmanager
+def _modules(stubs: dict) -> Iterator[None]:
+    saved = {name: sys.modules.get(name) for name in stubs}
+    sys.modules.update(stubs)
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def _validation_without_cuda(mg: Megatron):
+    utils = sys.modules["megatron.core.utils"]
+
+    def _validate_dsa_kernel_backend_dependencies(dsa_kernel_backend: str) -> None:
+        missing = utils._missing_cudnn_dsa_kernel_dependencies() if dsa_kernel_backend == "cudnn" else []
+        if missing:
+            raise ValueError(f"dsa_kernel_backend={dsa_kernel_backend}: missing {', '.join(missing)}")
+
+    return _validate_dsa_kernel_backend_dependencies
+
+
+STANDINS = ("cudnn.DSA -> torch kernel provider", "flash_mla_sparse_fwd -> torch kernel provider (d_v <= key width)",
+            "device capability (10, 0) on CPU", "nvtx no-op on CPU", "backend validation without CUDA")
+
+
+@contextlib.contextmanager
+def installed(mg: Megatron) -> Iterator[None]:
+    """Install the stand-ins and shims for the block (a forward and its backward)."""
+    import megatron.core.transformer.transformer_config as tc  # noqa: PLC0415 — imported by the loader already
+
+    fused = importlib.import_module(FUSED)
+    cpu = not torch.cuda.is_available()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_modules(_stub_modules()))
+        stack.enter_context(patched(tc, "_validate_dsa_kernel_backend_dependencies", _validation_without_cuda(mg)))
+        if cpu:
+            stack.enter_context(patched(torch.cuda, "get_device_capability", lambda *a, **k: DEVICE_CAPABILITY))
+            stack.enter_context(patched(torch.cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext()))
+            fused._get_topk_alignment.cache_clear()
+        for module in (fused, sys.modules.get(CUDNN_KERNELS)):
+            for name in ("_DSA", "_cudnn_dsa", "_flash_mla_sparse_fwd"):
+                if module is not None and hasattr(module, name):
+                    stack.enter_context(patched(module, name, None))  # re-resolved from the stand-in module
+        yield
+        if cpu:
+            fused._get_topk_alignment.cache_clear()

@@ -1,0 +1,134 @@
+"""The public API (ARCHITECTURE.md) over production's layer: ``attention_layer`` and ``core_attention`` run
+Megatron-LM's ``DSv4HybridSelfAttention`` / its ``core_attention`` (``CompressedSparseAttention``) on the harness's
+tensors and return an :class:`~cases.outputs.AttentionOutput` built from production's own tensors.
+
+* Parameters: ``torch.func.functional_call`` with the harness's leaves by production name (``named_parameters()``
+  are this project's names), so the harness's leaves receive the gradients.
+* Layout: BSHD ``[B, S, ...]`` is transposed to production's ``[S, B, ...]``; THD ``[T, ...]`` gets production's dummy
+  batch dim (``[T, 1, ...]``) and a Megatron ``PackedSeqParams`` (real and padded ``cu_seqlens``, ``max_seqlen``).
+* The indexer loss is attached by production (``DSAIndexerLossAutoScaler``): its gradient already flows through
+  ``out``, so the recorded loss is returned detached (the harness's objective adds its value only).
+* Production returns no LSE on the unfused path: ``lse`` is then *not provided* (:data:`NOT_PROVIDED`), never
+  recomputed here.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+from torch.func import functional_call
+
+from cases.config import ModelConfig
+from cases.errors import CaseError
+from cases.layout import PackedSeqParams
+from cases.outputs import AttentionOutput
+
+from . import recorders
+from .providers import current, run_context
+
+CORE_PREFIX = "core_attention."
+
+
+class MegatronOutput(AttentionOutput):
+    """An :class:`AttentionOutput` plus ``not_provided``: ``{tensor name: why production has no such tensor}``."""
+
+    def __init__(self, *args, not_provided: Optional[dict] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.not_provided = dict(not_provided or {})
+
+
+def _megatron_psp(mg, psp: PackedSeqParams, total: int):
+    cls = mg.modules["megatron.core.packed_seq_params"].PackedSeqParams
+    cu_real = psp.cu_seqlens_q.to(torch.int32)
+    cu_pad = psp.cu_seqlens_q_padded.to(torch.int32)
+    return cls(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real, cu_seqlens_q_padded=cu_pad,
+               cu_seqlens_kv_padded=cu_pad, max_seqlen_q=int(psp.max_seqlen_q), max_seqlen_kv=int(psp.max_seqlen_q),
+               total_tokens=total)
+
+
+def _check_split(topk_indices) -> None:
+    if topk_indices is not None:
+        raise CaseError("topk_indices", "production selects its own top-k; split mode is not available for megatron")
+
+
+def _indexer_outputs(record: recorders.Record, config: ModelConfig, packed: Optional[PackedSeqParams],
+                     lead: tuple) -> tuple:
+    """``(topk_indices, index_scores)`` in the contract's layout from what production recorded (None, None when
+    production produced none)."""
+    k = config.dsa_indexer_topk
+    if packed is None:
+        topk, scores = record.get("fused_topk", record.get("topk")), record.get("fused_scores", record.get("scores"))
+        if topk is None:
+            return None, None
+        return recorders.contract_topk(topk, k).view(lead + (k,)), scores
+    local = record.get("fused_topk", record.get("topk_local"))
+    if local is None:
+        return None, None
+    scores = record.get("fused_scores")
+    if scores is None and record.get("scores") is not None and record.get("compressed_offsets") is not None:
+        width = int(packed.max_seqlen_q) // config.compress_ratio
+        scores = recorders.thd_scores_to_local(record["scores"], record["compressed_offsets"], width)
+    return recorders.contract_topk(local, k), scores
+
+
+def _output(out: torch.Tensor, record: recorders.Record, config: ModelConfig, packed, lead: tuple) -> MegatronOutput:
+    not_provided = {}
+    lse = record.get("lse")
+    if lse is not None:  # kernel layout (rows, n) with +inf on rows without keys -> public [B, S, n] / [T, n], -inf
+        lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
+        if packed is None:
+            lse = lse.reshape(lead[1], lead[0], -1).transpose(0, 1)
+    else:
+        not_provided["lse"] = "production's unfused attention (unfused_compressed_sparse_attn) computes no LSE"
+    topk, scores = (None, None)
+    if config.has_indexer:
+        topk, scores = _indexer_outputs(record, config, packed, lead)
+    loss = record.get("loss")
+    # float32 values of a float64 run (production's islands) in the case's dtype, exactly (the contract's dtype)
+    wide = torch.float64 if out.dtype == torch.float64 else torch.float32
+    lse, scores, loss = (None if t is None else t.to(wide) for t in (lse, scores, loss))
+    return MegatronOutput(out=out, lse=lse, indexer_loss=loss, topk_indices=topk, index_scores=scores,
+                          not_provided=not_provided)
+
+
+def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,
+                    packed_seq_params: Optional[PackedSeqParams] = None, *, training: bool = True,
+                    topk_indices: Optional[torch.Tensor] = None) -> AttentionOutput:
+    """Production's whole layer on ``hidden`` BSHD ``[B, S, Hd]`` / THD ``[T, Hd]``."""
+    _check_split(topk_indices)
+    packed = packed_seq_params is not None
+    lead = tuple(hidden.shape[:1] if packed else hidden.shape[:2])
+    with run_context(current(), config, hidden, training) as (mg, built):
+        x = hidden.unsqueeze(1) if packed else hidden.transpose(0, 1)
+        psp = _megatron_psp(mg, packed_seq_params, hidden.shape[0]) if packed else None
+        with recorders.recording(mg) as record:
+            out, _bias = functional_call(built.module, dict(params), (x, None),
+                                         {"packed_seq_params": psp}, strict=False)
+    out = out.squeeze(1) if packed else out.transpose(0, 1)
+    return _output(out, record, config, packed_seq_params, lead)
+
+
+def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q_latent: torch.Tensor,
+                   params: Mapping[str, torch.Tensor], config: ModelConfig,
+                   packed_seq_params: Optional[PackedSeqParams] = None, *, training: bool = True,
+                   topk_indices: Optional[torch.Tensor] = None) -> AttentionOutput:
+    """Production's ``CompressedSparseAttention`` on roped ``query [.., n, D]``, ``kv [.., D]``, ``hidden`` and
+    ``q_latent``; returns ``out [.., n, D]`` (before inverse RoPE)."""
+    _check_split(topk_indices)
+    packed = packed_seq_params is not None
+    lead = tuple(query.shape[:1] if packed else query.shape[:2])
+    n, d = config.num_attention_heads, config.v_head_dim
+    core_params = {name[len(CORE_PREFIX):]: t for name, t in params.items() if name.startswith(CORE_PREFIX)}
+    with run_context(current(), config, query, training) as (mg, built):
+        if packed:
+            q, key, x, qr = query, kv.view(-1, 1, 1, d), hidden.unsqueeze(1), q_latent.unsqueeze(1)
+            psp = _megatron_psp(mg, packed_seq_params, query.shape[0])
+        else:
+            q, x, qr = (t.transpose(0, 1) for t in (query, hidden, q_latent))
+            key, psp = kv.transpose(0, 1).unsqueeze(2), None
+        with recorders.recording(mg) as record:
+            out = functional_call(built.module.core_attention, core_params, (q, key, key, None),
+                                  {"x": x, "qr": qr, "packed_seq_params": psp}, strict=False)
+    out = out.reshape(lead[0], n, d) if packed else out.reshape(lead[1], lead[0], n, d).transpose(0, 1)
+    return _output(out, record, config, packed_seq_params, lead)

@@ -1,0 +1,145 @@
+"""Providers of ``--impl megatron`` and the per-call context that runs production.
+
+* ``unfused`` — production's PyTorch path (``dsa_kernel_backend="none"``), CPU and GPU;
+* ``emulated`` — production's fused composition (``dsa_kernel_backend="cudnn"``: Paths A/B/C, THD capacity padding,
+  compaction, local -> global) over this project's contract-exact torch kernels standing in for ``cudnn.DSA`` and
+  ``flash_mla`` (:mod:`adapters.megatron.emulated`), on any device;
+* ``cudnn`` — the real kernels (CUDA with cudnn-frontend and FlashMLA; issue 2/2, not wired here).
+
+``auto`` is ``unfused``. The provider is chosen with :func:`use_backend` (the harness's hook); the object it yields has
+``record`` (``{stage: provider}``: ``torch`` for both CPU providers, the policy's key for the torch kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import io
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from . import promote, standins
+from .build import Built, build
+from .loader import Megatron, load
+
+PROVIDERS = ("unfused", "emulated", "cudnn")
+_PROVIDER: contextvars.ContextVar[str] = contextvars.ContextVar("megatron_provider", default="unfused")
+_PREPARED: set[int] = set()
+
+
+class MegatronUnavailable(RuntimeError):
+    """A provider that cannot run here (the harness reports the case ``unsupported``)."""
+
+
+def current() -> str:
+    return _PROVIDER.get()
+
+
+def megatron() -> Megatron:
+    """The imported Megatron-LM (``DSV4_MEGATRON`` or the snapshot), with the process-wide stand-ins in place."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        mg = load(os.environ.get("DSV4_MEGATRON") or None)
+    if id(mg) not in _PREPARED:
+        logging.getLogger("megatron").setLevel(logging.ERROR)  # config notes (e.g. derived head dims) on stderr
+        _prepare(mg)
+        _PREPARED.add(id(mg))
+    return mg
+
+
+def _prepare(mg: Megatron) -> None:
+    """Stand-ins that hold for the whole process: the Hadamard rotation without ``fast_hadamard_transform`` and the
+    eager ``_q_rms_norm``."""
+    dsa = mg.module("dsa")
+    if getattr(dsa, "hadamard_transform", None) is None:
+        mg.module("csa").rotate_activation = standins.make_rotate_activation(promote=False)
+        mg.standins.append("hadamard (exact fp32 matmul; no fast_hadamard_transform)")
+    hybrid = mg.module("deepseek_v4_hybrid_attention")
+    compiled = hybrid._q_rms_norm
+    eager = getattr(compiled, "_torchdynamo_orig_callable", None) or getattr(compiled, "__wrapped__", None)
+    if eager is not None:
+        hybrid._q_rms_norm = eager
+        mg.standins.append("q-rms-norm-eager (@torch.compile _q_rms_norm run without dynamo)")
+
+
+def available_providers() -> dict:
+    """``{provider: None if usable here, else why not}``."""
+    try:
+        megatron()
+        base = None
+    except ValueError as exc:
+        base = str(exc)
+    found = {"unfused": base, "emulated": base}
+    cudnn = "the real cuDNN DSA / FlashMLA kernels need CUDA (issue 2/2: not wired in this adapter yet)"
+    found["cudnn"] = base or cudnn
+    return found
+
+
+@dataclass
+class Handle:
+    """What :func:`use_backend` yields: ``record`` = ``{stage: provider}`` that ran."""
+
+    provider: str
+    record: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
+    """Select the provider for the calls inside the block (``auto`` = ``unfused``)."""
+    name = "unfused" if provider in ("auto", "none", "torch") else provider
+    if name not in PROVIDERS:
+        raise ValueError(f"megatron has no provider {provider!r} (known: {', '.join(PROVIDERS)})")
+    if name == "cudnn":
+        raise MegatronUnavailable(available_providers()["cudnn"])
+    token = _PROVIDER.set(name)
+    handle = Handle(name, {f"megatron.{name}": "torch"})
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(promote.mode())
+            stack.enter_context(promote.float64_case(False))  # the block's mark, set by run_context's case
+            if name == "emulated":  # forward and backward both call the kernel stand-ins
+                from . import emulated  # noqa: PLC0415 — imports fused.kernels only for this provider
+
+                stack.enter_context(emulated.installed(megatron()))
+            yield handle
+    finally:
+        _PROVIDER.reset(token)
+
+
+@contextlib.contextmanager
+def run_context(provider: str, config, like: torch.Tensor, training: bool) -> Iterator[tuple[Megatron, Built]]:
+    """Production's layer for ``config`` in ``like``'s dtype on its device, in train/eval mode, with the per-call
+    stand-ins in place; yields ``(megatron, built)``."""
+    mg = megatron()
+    device = like.device.type
+    backend = "cudnn" if provider in ("emulated", "cudnn") else "none"
+    wide = like.dtype == torch.float64 and promote.enabled()
+    promote.mark(wide)  # float32 islands promoted for this case's forward and backward (diagnostic)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(standins.cpu_device_calls(device == "cpu"))
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            built = build(mg, config, like.dtype, backend, device, promoted=wide)
+        built.module.train(training)
+        yield mg, built
+
+
+def describe(provider: Optional[str] = None) -> dict:
+    """For the run row: Megatron's revision, where it came from and every stand-in in use."""
+    mg = megatron()
+    used = list(mg.standins)
+    if not mg.has_te:
+        used.append("plain-linear (no TransformerEngine)")
+    used.append("process-group (1-rank gloo)")
+    if not torch.cuda.is_available():
+        used.append("cpu-device (torch.cuda.current_device)")
+        from .emulated import STANDINS  # noqa: PLC0415
+
+        used += [f"emulated: {note}" for note in STANDINS]
+    return {"revision": mg.source.revision, "megatron_root": str(mg.source.root),
+            "megatron_origin": mg.source.origin, "standins": used, "te": mg.has_te}

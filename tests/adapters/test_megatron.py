@@ -1,0 +1,186 @@
+"""``--impl megatron`` against the pinned Megatron-LM snapshot, on CPU: the adapter's own checks, a reduced smoke
+subset per provider (every case ``pass`` or a registered ``known``), and every known-deviation entry reproducing on
+its recorded cases. The full smoke per provider runs through the CLI (README "Testing Megatron-LM").
+
+Skipped, with the reason, only when no snapshot (and no ``DSV4_MEGATRON``) is available."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from adapters.megatron import source
+
+HAVE_MEGATRON = bool(os.environ.get(source.ENV_PATH)) or source.find_snapshot() is not None
+needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="no Megatron-LM: the pinned snapshot "
+                                    "../shared/megatron/megatron-lm-dev-*.tar.gz is absent and DSV4_MEGATRON is unset")
+REGISTRY = Path(__file__).resolve().parents[2] / "adapters" / "megatron" / "known_deviations.json"
+#: passing cases of the smoke suite covering BSHD/THD x r 0/4/128 x layer/core x train/eval x 3 dtypes
+SUBSET = ("c63c8c6d34a6", "9a8dbea368d1", "f48d206efe5b", "140993f2140a", "03836235949d", "2eb1db7b4212",
+          "9595c54698e9", "75f2547b5d1e", "63e768a3e6d0", "e0c30660af6f")
+
+
+# ---- source lookup: clear errors -------------------------------------------------------------------------------------
+def test_a_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(source.MegatronSourceError, match="does not exist"):
+        source.locate(str(tmp_path / "nowhere"))
+
+
+def test_a_directory_without_megatron_is_a_clear_error(tmp_path):
+    with pytest.raises(source.MegatronSourceError, match="not a Megatron-LM checkout"):
+        source.locate(str(tmp_path))
+
+
+def test_a_checkout_without_dsv4_code_is_a_clear_error(tmp_path):
+    (tmp_path / "megatron" / "core" / "transformer").mkdir(parents=True)
+    with pytest.raises(source.MegatronSourceError, match="has no DSv4 code"):
+        source.locate(str(tmp_path))
+
+
+def test_env_variable_is_checked_like_the_option(tmp_path, monkeypatch):
+    monkeypatch.setenv(source.ENV_PATH, str(tmp_path / "nowhere"))
+    with pytest.raises(source.MegatronSourceError, match="DSV4_MEGATRON"):
+        source.locate()
+
+
+def test_a_revision_with_a_different_api_is_a_clear_error():
+    import types
+
+    from adapters.megatron import loader
+
+    modules = {name: types.SimpleNamespace(**{a: object() for a in attrs}) for name, attrs in loader.API.items()}
+    csa = f"{loader.VARIANT}.csa"
+    del modules[csa].fused_qk_topk_naive
+    src = source.MegatronSource(Path("/x"), "rev", "--megatron")
+    with pytest.raises(source.MegatronSourceError, match="different API: .*csa lacks fused_qk_topk_naive"):
+        loader._check_api(modules, src)
+
+
+@needs_megatron
+def test_snapshot_extraction_is_idempotent(tmp_path):
+    archive = source.find_snapshot()
+    if archive is None:
+        pytest.skip("DSV4_MEGATRON set, no snapshot")
+    root = source.extract(archive, into=tmp_path)
+    assert (root / source.VARIANT_DIR / "csa.py").is_file()
+    assert source.extract(archive, into=tmp_path) == root
+    assert [p.name for p in tmp_path.iterdir()] == [source.snapshot_id(archive)]  # no temporary left behind
+
+
+# ---- runs ------------------------------------------------------------------------------------------------------------
+def _run(case_ids, provider):
+    from cases.suites import load_suite
+    from parity.engine import RunOptions, run_case
+    from parity.impls import load
+
+    cases = {c.id: c for c in load_suite("smoke")}
+    impl, ref = load("megatron"), load("reference")
+    options = RunOptions(impl="megatron", provider=provider, device="cpu")
+    return {cid: run_case(cases[cid], impl, ref, options) for cid in case_ids}
+
+
+@needs_megatron
+@pytest.mark.parametrize("provider", ["unfused", "emulated"])
+def test_smoke_subset_passes(provider):
+    results = _run(SUBSET, provider)
+    bad = {cid: f"{r.outcome}: {r.message}" for cid, r in results.items() if r.outcome != "pass"}
+    assert not bad
+    layer = next(r for r in results.values() if r.case.scope == "layer" and r.case.config.has_indexer)
+    names = {t.name for t in layer.tensors}
+    assert {"out", "topk_indices", "index_scores", "indexer_loss", "grad/hidden"} <= names
+    lse = [r for r in results.values() if "lse" in {t.name for t in r.tensors}]
+    if provider == "emulated":  # production's FlashMLA call returns the LSE; its unfused path has none
+        assert len(lse) == len(results)
+    else:
+        assert not lse and all("lse" in r.not_provided for r in results.values())
+    f64 = [r for r in results.values() if r.case.dtype == "float64"]
+    assert f64 and all(r.precision == "float32" for r in f64)
+
+
+def _entries():
+    return json.loads(REGISTRY.read_text())["entries"]
+
+
+@needs_megatron
+@pytest.mark.parametrize("provider", ["unfused", "emulated"])
+def test_every_registered_deviation_reproduces(provider):
+    entries = [e for e in _entries() if provider in e["providers"]]
+    ids = sorted({cid for e in entries for cid in e["cases"]})
+    results = _run(ids, provider)
+    for entry in entries:
+        for cid in entry["cases"]:
+            r = results[cid]
+            assert r.outcome == "known", f"{entry['id']} on {cid}: {r.outcome} {r.message}"
+            if r.known["id"] != entry["id"]:  # another entry explains it first; this one must explain it too
+                from parity import known
+
+                assert known.explains(entry, _as_failed(r)), (entry["id"], cid, r.known)
+
+
+def _as_failed(result):
+    import copy
+
+    out = copy.copy(result)
+    out.outcome = result.known["was"]
+    out.message = result.known["message"]
+    return out
+
+
+# ---- real-code mutants --------------------------------------------------------------------------------------------
+def test_a_patch_that_no_longer_applies_is_reported(tmp_path):
+    from parity import megatron_mutants as mutants
+
+    target = tmp_path / mutants.CSA
+    target.parent.mkdir(parents=True)
+    target.write_text("nothing to patch here\n")
+    with pytest.raises(mutants.PatchError, match="occurs 0 times"):
+        mutants.apply(tmp_path, mutants.MUTANTS[2])
+
+
+def test_patches_go_to_a_scratch_copy_only(tmp_path):
+    from parity import megatron_mutants as mutants
+
+    src = tmp_path / "src"
+    (src / mutants.CSA).parent.mkdir(parents=True)
+    m = next(m for m in mutants.MUTANTS if m.path == mutants.CSA and m.nth is None)
+    (src / mutants.CSA).write_text(f"a\n{m.old}\nb\n")
+    copy = mutants.scratch_copy(src, tmp_path / "work")
+    mutants.apply(copy, m)
+    assert m.new in (copy / mutants.CSA).read_text()
+    assert (src / mutants.CSA).read_text() == f"a\n{m.old}\nb\n"
+
+
+@needs_megatron
+def test_every_real_code_mutant_is_killed():
+    from adapters.megatron import source as src
+    from parity import megatron_mutants as mutants
+
+    lines = []
+    outcomes = mutants.run_suite(src.locate().root, echo=lines.append)
+    assert len(outcomes) == len(mutants.MUTANTS) >= 8
+    assert [o.name for o in outcomes if o.status != "killed"] == [], "\n".join(lines)
+    for o in outcomes:  # killed on every provider that executes the mutant's code
+        m = next(m for m in mutants.MUTANTS if m.name == o.name)
+        assert set(o.provider.split(",")) == set(m.providers), o
+
+
+@needs_megatron
+def test_promoted_islands_reach_float64_agreement(monkeypatch):
+    """DSV4_MEGATRON_PROMOTE=1: a float64 case is judged at float64 level and passes; without it the same case
+    carries float32-level error (negative control: the islands are real, and the declaration is what lets it pass)."""
+    from adapters.megatron import promote
+
+    case_id = "c63c8c6d34a6"  # float64, layer, BSHD, r = 0
+    plain = _run([case_id], "unfused")[case_id]
+    monkeypatch.setenv(promote.ENV, "1")
+    wide = _run([case_id], "unfused")[case_id]
+    assert plain.outcome == "pass" and plain.precision == "float32"
+    assert wide.outcome == "pass" and wide.precision is None
+
+    def worst(result):
+        return max(m.value for t in result.tensors for m in t.metrics if m.metric == "rel_l2")
+
+    assert worst(wide) < 1e-13 < 1e-9 < worst(plain)
