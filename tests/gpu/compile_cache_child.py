@@ -1,4 +1,4 @@
-"""Child process of ``test_compile_cache_gpu.py`` (GPU only): run every cuDNN kernel call of ``fused.gpu_checks``
+"""Child process of ``test_compile_cache_gpu.py`` (GPU only): run every cuDNN kernel call of ``parity.kernel_checks``
 (``div=8`` sizes, fixed seed) once through the cudnn provider and save the outputs and the compiled-kernel cache's
 counters. ``python tests/gpu/compile_cache_child.py OUT_DIR`` (``DSV4_PARITY_CACHE_DIR`` chooses the cache)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from fused import gpu_checks
+from parity import kernel_checks as gpu_checks
 from fused.kernels import compile_cache
 
 
