@@ -234,8 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     meta = sub.add_parser("metamorphic", help="run metamorphic oracles (no second implementation needed)",
                           description="Run metamorphic oracles on --impl: THD pack = per-segment runs, padding "
-                                      "poison, capacity padding, identical segments, determinism. Each oracle "
-                                      "writes <out>/<oracle>/results.jsonl.")
+                                      "poison, poisoned padding-row output gradient, capacity padding, identical "
+                                      "segments, determinism, CUDA-graph replay on other packings (CUDA only). "
+                                      "Each oracle writes <out>/<oracle>/results.jsonl.")
     add_selection_options(meta)
     add_implementation_options(meta)
     meta.add_argument("--oracle", action="append", help="oracle name (repeatable; default all)")
