@@ -136,8 +136,8 @@ def architecture(device: str) -> str:
 
 def registry_for(impl) -> list[dict]:
     """An implementation's registry, validated (empty without a ``known_deviations`` hook)."""
-    fn = getattr(impl.api, "known_deviations", None)
-    return validate(fn(), f"{impl.name} known deviations") if callable(fn) else []
+    fn = impl.optional_hook("known_deviations")
+    return validate(fn(), f"{impl.name} known deviations") if fn is not None else []
 
 
 def status_of(row: dict) -> Optional[str]:

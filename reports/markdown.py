@@ -36,7 +36,7 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
-from cases.vocabulary import OUTCOMES
+from cases.vocabulary import OUTCOMES, outcome_counts as vocabulary_counts
 
 from .drift import DriftResult
 from .load import RunData
@@ -121,9 +121,10 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]], right: Sequence
 
 
 def outcome_counts(data: RunData) -> dict[str, int]:
-    """Cases per outcome: the known outcomes in their order (zeros kept), then any other outcome found, sorted."""
+    """Cases per outcome as every other view counts them (:func:`cases.vocabulary.outcome_counts`: zeros kept but for
+    ``known``), then any other outcome found, sorted."""
     found = data.cases["outcome"].astype(str).value_counts()
-    counts = {outcome: int(found.get(outcome, 0)) for outcome in OUTCOMES}
+    counts = vocabulary_counts(found)
     counts.update({outcome: int(found[outcome]) for outcome in sorted(set(found.index) - set(OUTCOMES))})
     return counts
 
