@@ -5,7 +5,9 @@ Public API (ARCHITECTURE.md): ``attention_layer``, ``core_attention`` (productio
 output field is production's own tensor, read by recorders). ``compressor`` / ``indexer`` are not provided.
 
 Harness hooks (``parity/impls.py``): ``use_backend(provider=..., require=...)`` and ``available_providers()`` —
-providers ``unfused`` / ``emulated`` / ``cudnn`` (:mod:`adapters.megatron.providers`); ``precision(case)`` — the
+providers ``unfused`` / ``emulated`` / ``cudnn`` (:mod:`adapters.megatron.providers`); ``observe_kernels(observer)``
+— every kernel call of production's fused path inside ``observer(stage, provider)`` (as ``fused.observe_kernels``;
+:mod:`adapters.megatron.kernel_calls`); ``precision(case)`` — the
 dtype production computes a case in (float32 islands in float64 runs); ``describe()`` — Megatron's revision and the
 stand-ins in use (the run row); ``known_deviations`` — the registry of production behaviour that differs from the
 contract (``known_deviations.json``, :mod:`parity.known`); ``TOPK_TIE_RULE = "arbitrary"`` (``torch.topk``
@@ -16,7 +18,8 @@ Where Megatron comes from: ``DSV4_MEGATRON`` (set by ``--megatron PATH``) or the
 """
 
 from .layer import attention_layer, core_attention
-from .providers import available_providers, describe, use_backend
+from .kernel_calls import observe_kernels
+from .providers import available_providers, describe, provider_name, use_backend
 from .source import MegatronSourceError
 
 #: declared top-k tie behaviour: production uses torch.topk (dsa.py), arbitrary among exact ties
@@ -42,12 +45,8 @@ def precision(case) -> str:
 
 
 __all__ = ["MegatronSourceError", "TOPK_TIE_RULE", "attention_layer", "available_providers", "check_ready",
-           "core_attention", "describe", "known_deviations", "precision", "provider_name", "use_backend"]
-
-
-def provider_name(provider: str) -> str:
-    """``auto`` (and the generic ``torch``) select ``unfused``."""
-    return "unfused" if provider in ("auto", "none", "torch") else provider
+           "core_attention", "describe", "known_deviations", "observe_kernels", "precision", "provider_name",
+           "use_backend"]
 
 
 def known_deviations() -> list:

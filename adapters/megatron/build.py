@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cases.config import ModelConfig
+from cases.vocabulary import Unsupported
 
 from . import standins
 from .loader import Megatron
@@ -32,6 +33,11 @@ class Built:
 
 
 _CACHE: dict[tuple, Built] = {}
+
+
+class ConfigRefused(Unsupported):
+    """Production's own config validation declines the case (e.g. the r = 4 dense indexer loss on sm90 with the
+    fused kernels, ``transformer_config.py``): reported ``unsupported`` with production's message."""
 
 
 def transformer_config(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str):
@@ -91,7 +97,10 @@ def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, d
     specs = mg.modules["megatron.core.models.gpt.experimental_attention_variant_module_specs"]
     spec_utils = __import__("megatron.core.transformer.spec_utils", fromlist=["build_module"])
     with standins.cpu_device_calls(device == "cpu"):
-        cfg = transformer_config(mg, config, dtype, backend)
+        try:
+            cfg = transformer_config(mg, config, dtype, backend)
+        except ValueError as exc:  # production's __post_init__ validation
+            raise ConfigRefused(f"production's config validation refuses this case: {exc}") from None
         spec = specs.get_dsv4_hybrid_module_spec_for_backend(cfg, _backend(mg))
         module = spec_utils.build_module(spec, config=cfg, layer_number=1, pg_collection=pg_collection(mg))
     if not mg.has_te:

@@ -35,24 +35,12 @@ import torch
 
 from fused.kernels.torch_provider import TorchKernels
 
+from . import kernel_calls
 from .loader import Megatron
 from .recorders import patched
 
-FUSED = "megatron.core.transformer.experimental_attention_variant.csa_utils.fused_sparse_attention"
-CUDNN_KERNELS = "megatron.core.transformer.experimental_attention_variant.dsa_cudnn_kernels"
-#: cudnn.DSA wrapper -> torch kernel provider method
-WRAPPERS = {
-    "indexer_forward_wrapper": "indexer_forward",
-    "indexer_top_k_wrapper": "indexer_top_k",
-    "compactify_wrapper": "compactify",
-    "sparse_attention_backward_wrapper": "sparse_attn_bwd",
-    "sparse_attn_score_recompute_wrapper": "sparse_attn_score_recompute",
-    "sparse_indexer_score_recompute_wrapper": "sparse_indexer_score_recompute",
-    "dense_attn_score_recompute_wrapper": "dense_attn_score_recompute",
-    "dense_indexer_score_recompute_wrapper": "dense_indexer_score_recompute",
-    "indexer_backward_wrapper": "indexer_backward",
-    "dense_indexer_backward_wrapper": "dense_indexer_backward",
-}
+#: cudnn.DSA wrapper -> torch kernel provider method (the stage of the same name)
+WRAPPERS = kernel_calls.WRAPPERS
 DEVICE_CAPABILITY = (10, 0)
 
 
@@ -141,7 +129,6 @@ def installed(mg: Megatron) -> Iterator[None]:
     """Install the stand-ins and shims for the block (a forward and its backward)."""
     import megatron.core.transformer.transformer_config as tc  # noqa: PLC0415 — imported by the loader already
 
-    fused = importlib.import_module(FUSED)
     cpu = not torch.cuda.is_available()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_modules(_stub_modules()))
@@ -149,11 +136,6 @@ def installed(mg: Megatron) -> Iterator[None]:
         if cpu:
             stack.enter_context(patched(torch.cuda, "get_device_capability", lambda *a, **k: DEVICE_CAPABILITY))
             stack.enter_context(patched(torch.cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext()))
-            fused._get_topk_alignment.cache_clear()
-        for module in (fused, sys.modules.get(CUDNN_KERNELS)):
-            for name in ("_DSA", "_cudnn_dsa", "_flash_mla_sparse_fwd"):
-                if module is not None and hasattr(module, name):
-                    stack.enter_context(patched(module, name, None))  # re-resolved from the stand-in module
+        # production's fused module calls the stand-ins, also where the real packages are importable (a GPU host)
+        stack.enter_context(kernel_calls.installed(dsa_namespace(), "torch", flash_mla_sparse_fwd, "torch"))
         yield
-        if cpu:
-            fused._get_topk_alignment.cache_clear()

@@ -4,10 +4,12 @@
 * ``emulated`` — production's fused composition (``dsa_kernel_backend="cudnn"``: Paths A/B/C, THD capacity padding,
   compaction, local -> global) over this project's contract-exact torch kernels standing in for ``cudnn.DSA`` and
   ``flash_mla`` (:mod:`adapters.megatron.emulated`), on any device;
-* ``cudnn`` — the real kernels (CUDA with cudnn-frontend and FlashMLA; issue 2/2, not wired here).
+* ``cudnn`` — production's fused path over the real kernels (cudnn-frontend ``cudnn.DSA``, FlashMLA), CUDA sm90 /
+  sm100, with the FlashMLA bridge as its one stand-in (:mod:`adapters.megatron.real_kernels`).
 
 ``auto`` is ``unfused``. The provider is chosen with :func:`use_backend` (the harness's hook); the object it yields has
-``record`` (``{stage: provider}``: ``torch`` for both CPU providers, the policy's key for the torch kernels).
+``record`` (``{stage: provider}``: ``torch`` for both CPU providers, the policy's key for the torch kernels;
+``cudnn+flashmla`` for the real kernels, the policy's ``cudnn`` key).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import promote, standins
+from cases.vocabulary import Unsupported
+
+from . import promote, real_kernels, standins
 from .build import Built, build
 from .loader import Megatron, load
 
@@ -32,7 +36,7 @@ _PROVIDER: contextvars.ContextVar[str] = contextvars.ContextVar("megatron_provid
 _PREPARED: set[int] = set()
 
 
-class MegatronUnavailable(RuntimeError):
+class MegatronUnavailable(Unsupported, RuntimeError):
     """A provider that cannot run here (the harness reports the case ``unsupported``)."""
 
 
@@ -74,10 +78,7 @@ def available_providers() -> dict:
         base = None
     except ValueError as exc:
         base = str(exc)
-    found = {"unfused": base, "emulated": base}
-    cudnn = "the real cuDNN DSA / FlashMLA kernels need CUDA (issue 2/2: not wired in this adapter yet)"
-    found["cudnn"] = base or cudnn
-    return found
+    return {"unfused": base, "emulated": base, "cudnn": base or real_kernels.unavailable_reason()}
 
 
 @dataclass
@@ -91,13 +92,13 @@ class Handle:
 @contextlib.contextmanager
 def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
     """Select the provider for the calls inside the block (``auto`` = ``unfused``)."""
-    name = "unfused" if provider in ("auto", "none", "torch") else provider
+    name = provider_name(provider)
     if name not in PROVIDERS:
         raise ValueError(f"megatron has no provider {provider!r} (known: {', '.join(PROVIDERS)})")
-    if name == "cudnn":
-        raise MegatronUnavailable(available_providers()["cudnn"])
+    if name == "cudnn" and real_kernels.unavailable_reason() is not None:
+        raise MegatronUnavailable(real_kernels.unavailable_reason())
     token = _PROVIDER.set(name)
-    handle = Handle(name, {f"megatron.{name}": "torch"})
+    handle = Handle(name, {f"megatron.{name}": "cudnn+flashmla" if name == "cudnn" else "torch"})
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(promote.mode())
@@ -106,6 +107,8 @@ def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
                 from . import emulated  # noqa: PLC0415 — imports fused.kernels only for this provider
 
                 stack.enter_context(emulated.installed(megatron()))
+            elif name == "cudnn":
+                stack.enter_context(real_kernels.installed())
             yield handle
     finally:
         _PROVIDER.reset(token)
@@ -141,5 +144,13 @@ def describe(provider: Optional[str] = None) -> dict:
         from .emulated import STANDINS  # noqa: PLC0415
 
         used += [f"emulated: {note}" for note in STANDINS]
+    if (provider and provider_name(provider) == "cudnn") or current() == "cudnn":
+        used += [f"cudnn: {note}" for note in real_kernels.STANDINS]
     return {"revision": mg.source.revision, "megatron_root": str(mg.source.root),
-            "megatron_origin": mg.source.origin, "standins": used, "te": mg.has_te}
+            "megatron_origin": mg.source.origin, "standins": used, "te": mg.has_te,
+            **({"kernels": real_kernels.versions()} if torch.cuda.is_available() else {})}
+
+
+def provider_name(provider: str) -> str:
+    """``auto`` (and the generic ``torch`` / ``none``) select ``unfused``."""
+    return "unfused" if provider in ("auto", "none", "torch") else provider
