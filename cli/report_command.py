@@ -13,7 +13,7 @@ from rich.console import Console
 
 from parity.runner import DEFAULT_OUT_ROOT
 
-from reports.baselines import BASELINES_ROOT, default_baseline, load_baseline, save_baseline
+from reports.baselines import BASELINES_ROOT, default_baseline, default_name, load_baseline, save_baseline
 from reports.drift import GateConfig, compare_tables
 from reports.errors import ReportError
 from reports.load import load_run, resolve_results
@@ -117,8 +117,7 @@ def compare_command(args: argparse.Namespace) -> int:
         data = load_run(results)
         name = args.baseline
         if name == "auto":
-            name = default_baseline(data, args.baselines_dir) or (str(data.run.get("suite") or "") if args.update
-                                                                   else None)
+            name = default_baseline(data, args.baselines_dir) or (default_name(data) if args.update else None)
             if not name:
                 raise ReportError("--baseline", "no committed baseline for this run's arch/suite; pass --baseline")
         if args.update:

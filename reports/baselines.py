@@ -138,11 +138,20 @@ def _baseline_dir(name: str, path: Path) -> Baseline:
     return Baseline(name=name, path=path, table=table, env=env, gate=_read_json(path / GATE_NAME))
 
 
+def default_name(data: RunData) -> str | None:
+    """The run's baseline name under its arch: ``<suite>`` for ``--impl fused``, ``<impl>-<suite>`` for another
+    implementation (``megatron-gate``), so production's baselines never stand in for the composition's."""
+    suite, impl = data.run.get("suite"), data.run.get("impl")
+    if not suite:
+        return None
+    return str(suite) if impl in (None, "fused") else f"{impl}-{suite}"
+
+
 def default_baseline(data: RunData, root: Path = BASELINES_ROOT) -> str | None:
-    """``<arch>/<suite>`` of the run when such a baseline is committed, else None."""
-    suite = data.run.get("suite")
-    if suite and (root / arch_of(data.env) / str(suite) / METRICS_NAME).is_file():
-        return f"{arch_of(data.env)}/{suite}"
+    """``<arch>/<default_name>`` of the run when such a baseline is committed, else None."""
+    name = default_name(data)
+    if name and (root / arch_of(data.env) / name / METRICS_NAME).is_file():
+        return f"{arch_of(data.env)}/{name}"
     return None
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from reports.baselines import arch_of, available, default_baseline, load_baseline, save_baseline
+from reports.baselines import arch_of, available, default_baseline, default_name, load_baseline, save_baseline
 from reports.drift import GateConfig, compare_tables
 from reports.errors import ReportError
 from reports.load import load_run
@@ -47,6 +47,19 @@ def test_bare_name_resolves_under_the_runs_arch_and_auto_default(runs, tmp_path)
     assert default_baseline(gpu_run, tmp_path) is None
     with pytest.raises(ReportError, match=r"no baseline 'smoke' \(looked for .*h200/smoke\); available: cpu/smoke"):
         load_baseline("smoke", current=gpu_run, root=tmp_path)
+
+
+def test_another_implementations_run_has_its_own_default_baseline(runs, tmp_path):
+    """A run of ``--impl megatron`` is gated against ``<arch>/megatron-<suite>``, never against fused's baseline."""
+    data = load_run(runs["base"])
+    save_baseline(data, metrics_table(data), "smoke", root=tmp_path)
+    production = load_run(runs["base"])
+    production.run["impl"] = "megatron"
+    assert default_name(production) == "megatron-smoke"
+    assert default_baseline(production, tmp_path) is None  # fused's cpu/smoke is not production's
+    save_baseline(production, metrics_table(production), default_name(production), root=tmp_path)
+    assert default_baseline(production, tmp_path) == "cpu/megatron-smoke"
+    assert default_baseline(data, tmp_path) == "cpu/smoke"
 
 
 def test_a_run_directory_serves_as_baseline(runs, tmp_path):
