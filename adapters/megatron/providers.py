@@ -91,7 +91,7 @@ class Handle:
 
 @contextlib.contextmanager
 def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
-    """Select the provider for the calls inside the block (``auto`` = ``unfused``)."""
+    """Select the provider for the calls inside the block (``auto``: :func:`provider_name`)."""
     name = provider_name(provider)
     if name not in PROVIDERS:
         raise ValueError(f"megatron has no provider {provider!r} (known: {', '.join(PROVIDERS)})")
@@ -152,5 +152,7 @@ def describe(provider: Optional[str] = None) -> dict:
 
 
 def provider_name(provider: str) -> str:
-    """``auto`` (and the generic ``torch`` / ``none``) select ``unfused``."""
+    """The provider a request selects: ``auto`` (and the generic ``torch`` / ``none``) select ``unfused``, which runs
+    every case on any device; the real kernels are asked for by name (``make parity`` passes ``--provider cudnn`` on
+    a GPU runner with the kernels installed)."""
     return "unfused" if provider in ("auto", "none", "torch") else provider
