@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Protocol, Union, runtime_checkable
 
@@ -119,10 +120,14 @@ class Implementation:
         fn = self.optional_hook("precision")
         return str(fn(case)) if fn is not None else case.dtype
 
-    def describe(self) -> dict:
-        """What the run row records about the implementation (empty without a ``describe`` hook)."""
+    def describe(self, provider: Optional[str] = None) -> dict:
+        """What the run row records about the implementation (empty without a ``describe`` hook); ``provider``
+        (the run's) is passed to a hook that takes it, so provider-specific stand-ins are recorded too."""
         fn = self.optional_hook("describe")
-        return dict(fn()) if fn is not None else {}
+        if fn is None:
+            return {}
+        takes = provider is not None and "provider" in inspect.signature(fn).parameters
+        return dict(fn(provider=provider) if takes else fn())
 
     def context(self, provider: str, require: Optional[str] = None) -> Callable[[], ContextManager]:
         hooks = self.hooks

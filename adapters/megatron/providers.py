@@ -133,22 +133,25 @@ def run_context(provider: str, config, like: torch.Tensor, training: bool) -> It
 
 
 def describe(provider: Optional[str] = None) -> dict:
-    """For the run row: Megatron's revision, where it came from and every stand-in in use."""
+    """For the run row: Megatron's revision, where it came from, the provider and every stand-in it uses (the
+    real kernels' versions with ``cudnn``)."""
     mg = megatron()
+    name = provider_name(provider or current())
     used = list(mg.standins)
     if not mg.has_te:
         used.append("plain-linear (no TransformerEngine)")
     used.append("process-group (1-rank gloo)")
     if not torch.cuda.is_available():
         used.append("cpu-device (torch.cuda.current_device)")
+    if name == "emulated":
         from .emulated import STANDINS  # noqa: PLC0415
 
         used += [f"emulated: {note}" for note in STANDINS]
-    if (provider and provider_name(provider) == "cudnn") or current() == "cudnn":
+    if name == "cudnn":
         used += [f"cudnn: {note}" for note in real_kernels.STANDINS]
     return {"revision": mg.source.revision, "megatron_root": str(mg.source.root),
-            "megatron_origin": mg.source.origin, "standins": used, "te": mg.has_te,
-            **({"kernels": real_kernels.versions()} if torch.cuda.is_available() else {})}
+            "megatron_origin": mg.source.origin, "provider": name, "standins": used, "te": mg.has_te,
+            **({"kernels": real_kernels.versions()} if name == "cudnn" else {})}
 
 
 def provider_name(provider: str) -> str:
