@@ -195,7 +195,7 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
             truth, noise, note = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern,
                                                 precision)
         if pattern is None and sign_split.applies(case):
-            note = "; ".join(filter(None, (note, "no sign-split (activation pattern over sign_split.max_elements)")))
+            note = "; ".join(filter(None, (note, "no sign-split (activation pattern over sign_split.max_elements, or no index scores observed)")))
         stage = "public compressor / indexer"
         api_runs(case, impl, against, tensors, provider, options.require, impl_snap, truth, noise, clock)
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness

@@ -6,7 +6,8 @@ from a committed JSON file; schema below). After a case is decided, :func:`apply
 (implementation × provider × architecture × revision × case features):
 
 * the case failed or errored and a matching entry *explains* it (every failing tensor matches the entry's tensor
-  patterns, or the error message matches its ``error`` pattern) → outcome ``known`` (neither pass nor fail: it does
+  patterns, or the error message matches its ``error`` pattern), or several matching entries do together (each
+  failing tensor matched by one of them: two independent deviations in one case) → outcome ``known`` (neither pass nor fail: it does
   not fail the run; JUnit shows it as an expected failure), ``known = {"id", "status": "reproduced", ...}``;
 * the case passed and an entry matches it → the entry no longer reproduces: the outcome stays ``pass`` and
   ``known = {"id", "status": "fixed?"}`` flags it, so the registry stays true;
@@ -105,20 +106,44 @@ def explains(entry: dict, result) -> bool:
     return all(any(fnmatch.fnmatchcase(name, pat) for pat in expect["tensors"]) for name in failed)
 
 
+def explaining(entries: list[dict], result) -> list[dict]:
+    """The matching entries that together account for a failed / errored result: one entry that explains it alone,
+    else (two independent deviations in one case) a set of tensor entries in which every failing tensor matches
+    some entry's patterns, each entry accounting for at least one of them; ``[]`` when the failures are not all
+    explained."""
+    single = next((e for e in entries if explains(e, result)), None)
+    if single is not None:
+        return [single]
+    failed = [t.name for t in result.tensors if t.failed] if result.outcome == "fail" else []
+    if not failed:
+        return []
+    used: list[dict] = []
+    for name in failed:
+        entry = next((e for e in entries if "tensors" in e["expect"]
+                      and any(fnmatch.fnmatchcase(name, pat) for pat in e["expect"]["tensors"])), None)
+        if entry is None:
+            return []
+        if entry not in used:
+            used.append(entry)
+    return used if len(used) > 1 else []
+
+
 def apply(result, entries: Iterable[dict], provider: str, arch: str, revision: str) -> None:
-    """Set ``result.outcome = "known"`` / ``result.known`` per the module docstring (in place)."""
+    """Set ``result.outcome = "known"`` / ``result.known`` per the module docstring (in place). Several entries
+    explaining one case together give the id ``a+b``."""
     feats = case_features(result.case)
     matching = [e for e in entries if matches(e, feats, provider, arch, revision)]
     if not matching:
         return
     if result.outcome in ("fail", "error"):
-        for entry in matching:
-            if explains(entry, result):
-                result.known = {"id": entry["id"], "status": "reproduced", "upstream": entry["upstream"],
-                                "was": result.outcome, "message": result.message}
-                result.outcome, result.decided_by = "known", "known"
-                result.message = f"known deviation {entry['id']}: {result.message}"
-                return
+        found = explaining(matching, result)
+        if found:
+            ident = "+".join(e["id"] for e in found)
+            result.known = {"id": ident, "status": "reproduced", "upstream": "; ".join(e["upstream"] for e in found),
+                            "was": result.outcome, "message": result.message}
+            result.outcome, result.decided_by = "known", "known"
+            result.message = f"known deviation {ident}: {result.message}"
+            return
     elif result.outcome == "pass":
         entry = matching[0]
         result.known = {"id": entry["id"], "status": "fixed?", "upstream": entry["upstream"]}

@@ -70,7 +70,8 @@ def _eval_scores(api, case: Case, tensors: CaseTensors, params: dict) -> torch.T
 def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], ContextManager],
             settings: Settings = Settings()) -> Optional[torch.Tensor]:
     """The implementation's ``qI·kI > 0`` as bool ``[B, S, nI, n_comp]`` (BSHD) / ``[T, nI, width]`` (THD), on the
-    tensors' device; ``None`` if the pattern would exceed ``settings.max_elements``."""
+    tensors' device; ``None`` if the pattern would exceed ``settings.max_elements`` or the implementation returns no
+    index scores (production runs no indexer when no sequence has a compressed row: nothing to split)."""
     heads = case.config.dsa_indexer_n_heads
     weights = tensors.params[WEIGHTS]
     per_head = []
@@ -81,6 +82,8 @@ def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], Context
             params = dict(tensors.params)
             params[WEIGHTS] = isolated
             scores = _eval_scores(api, case, tensors, params)
+            if scores is None:
+                return None
             if not per_head and scores.numel() * heads > settings.max_elements:
                 return None
             per_head.append(torch.isfinite(scores) & (scores != 0))

@@ -123,3 +123,22 @@ def test_an_unavailable_provider_is_unsupported_not_an_error():
     from adapters.megatron.providers import MegatronUnavailable
 
     assert issubclass(MegatronUnavailable, Unsupported)
+
+
+@needs_megatron
+def test_a_gate_case_without_compressed_rows_is_known_not_an_error():
+    """A small ``gate`` case on CPU through production's fused composition (emulated): BSHD with no compressed row
+    (production runs no indexer; sign-split then has no pattern to observe and must not crash): ``known`` under the
+    entry that explains it. (Two entries explaining one case together: tests/parity/test_known.py; on the gate,
+    case 0d586ccc3f12 — measured, not run here: 64 indexer heads of sign-split probes take minutes on a CPU.)"""
+    from cases.suites import find_case
+    from parity.engine import RunOptions, run_case
+    from parity.impls import load
+
+    impl, ref = load("megatron"), load("reference")
+    options = RunOptions(impl="megatron", provider="emulated", device="cpu")
+    expected = {"a9bc87569a3e": "no-indexer-output-without-compressed-rows"}
+    for case_id, entry in expected.items():
+        result = run_case(find_case("gate", case_id), impl, ref, options)
+        assert result.outcome == "known", (case_id, result.outcome, result.message)
+        assert result.known["id"] == entry

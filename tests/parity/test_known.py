@@ -44,6 +44,24 @@ def test_an_unexplained_failure_stays_a_failure():
     assert r.outcome == "fail" and r.known is None
 
 
+def test_two_matching_entries_explain_one_case_together():
+    """Two independent deviations in one case: each failing tensor is explained by one entry, so the case is known
+    under both ids. Negative controls: a tensor neither explains keeps it a failure; an entry that does not match
+    the case cannot contribute."""
+    loss = entry(id="loss", expect={"tensors": ["indexer_loss", "grad/core_attention.indexer.*"]})
+    leak = entry(id="leak", expect={"tensors": ["contract/padding_dout"]})
+    r = failed("indexer_loss", "grad/core_attention.indexer.linear_wq_b.weight", "contract/padding_dout")
+    known.apply(r, [loss, leak], "unfused", "cpu", "rev")
+    assert r.outcome == "known" and r.known["id"] == "loss+leak"
+    r = failed("indexer_loss", "contract/padding_dout", "out")
+    known.apply(r, [loss, leak], "unfused", "cpu", "rev")
+    assert r.outcome == "fail"
+    r = failed("indexer_loss", "contract/padding_dout")
+    known.apply(r, [loss, entry(id="leak", providers=["emulated"], expect={"tensors": ["contract/*"]})],
+                "unfused", "cpu", "rev")
+    assert r.outcome == "fail"
+
+
 def test_an_entry_of_another_provider_or_architecture_does_not_match():
     for kwargs in ({"providers": ["emulated"]}, {"architectures": ["sm90"]}, {"revisions": ["abc"]}):
         r = failed("grad/query")
