@@ -67,7 +67,7 @@ from cases.errors import CaseError
 from bench.breakdown import profile_step
 from bench.flops import H200_BF16_PEAK_TFLOPS, kernel_flops, tflops
 from bench.harness import harness_throughput
-from bench.impls import BenchImpl, bench_impl, no_kernels_note, parse_impls
+from bench.impls import BenchImpl, bench_impl, no_kernels_note, parse_impls, parse_providers
 from bench.measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_memory, is_oom, synchronize,
                             time_call)
 from bench.output import SCHEMA, jsonable, ms_part
@@ -139,7 +139,8 @@ class Settings:
     dtype: str
     scopes: list[str]
     sections: list[str]
-    provider: str = "auto"
+    provider: str = "auto"  # --provider as given: one name, or per implementation (providers)
+    providers: dict = None   # {implementation: requested provider}, bench/impls.py parse_providers
     impls: list[str] = None  # --impl: the implementations measured in e2e (default ["fused"]), bench/impls.py
     reference: bool = True   # the reference beside them (--no-reference: not in e2e, no pro-pack probe)
     warmup: int = 1
@@ -157,6 +158,11 @@ class Settings:
 
     def __post_init__(self) -> None:
         self.impls = list(self.impls or ["fused"])
+        self.providers = dict(self.providers or {})
+
+    def provider_for(self, impl: str) -> str:
+        """The provider requested for ``impl`` (``--provider``: per implementation, else one name for all)."""
+        return self.providers.get(impl, "auto" if "=" in self.provider else self.provider)
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -190,12 +196,14 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     dtype = args.dtype or d["dtype"]
     if dtype not in ("float64", "float32", "bfloat16"):
         raise CaseError("dtype", f"must be float64, float32 or bfloat16, got {dtype!r}")
+    impls = parse_impls(getattr(args, "impl", None))
+    providers = parse_providers(args.provider, impls)
     budget = d["budget_s"] if args.budget_s is None else (None if args.budget_s <= 0 else args.budget_s)
     ref_max = d["ref_max_tokens"] if args.ref_max_tokens is None else (args.ref_max_tokens or None)
     return Settings(
         device=device, profiles=profiles, tokens=tokens, layout=args.layout,
         segment_len=args.segment_len or d["segment_len"], ratio=args.ratio, loss=args.loss, dtype=dtype,
-        scopes=scopes, sections=sections, provider=args.provider, impls=parse_impls(getattr(args, "impl", None)),
+        scopes=scopes, sections=sections, provider=args.provider, providers=providers, impls=impls,
         reference=not getattr(args, "no_reference", False), warmup=max(args.warmup, 0),
         repeats=max(args.repeats, 1), target_s=args.target_s, budget_s=budget, ref_max_tokens=ref_max,
         harness_suite=args.harness_suite or d["harness_suite"],
@@ -313,7 +321,7 @@ class Bench:
     def bench_impl(self, name: str) -> BenchImpl:
         """``name`` with its provider and kernel hook (:mod:`bench.impls`), recorded once in ``report["impls"]``."""
         if name not in self._bench_impls:
-            b = self._bench_impls[name] = bench_impl(name, self.s.provider)
+            b = self._bench_impls[name] = bench_impl(name, self.s.provider_for(name))
             info = {"provider": b.provider, "unavailable": b.unavailable,
                     "observe_kernels": b.observe_kernels is not None, "describe": None}
             if b.unavailable is None:
@@ -631,7 +639,7 @@ class Bench:
         failed = False
         try:
             impl = self._impl("fused")
-            row["provider"] = impl.resolve_provider(self.s.provider)
+            row["provider"] = impl.resolve_provider(self.s.provider_for("fused"))
             tensors = make_tensors(work, device)
             step = forward_backward(impl.api, work.case, tensors, impl.context(row["provider"]))
             for _ in range(max(self.s.warmup, 1)):

@@ -7,7 +7,11 @@ are observed — by the hooks of :mod:`parity.impls`, never by importing an impl
   kernel observation hook ``observe_kernels(observer)`` (same contract as ``fused.observe_kernels``: every kernel
   call runs inside ``observer(stage, provider)``), or ``None`` where it offers none.
 
-Provider mapping (``--provider``, one name for every implementation): an implementation without providers runs on
+* :func:`parse_providers` — ``--provider``: one name for every implementation (``cudnn``), or per implementation
+  (``fused=torch,megatron=emulated``); a name no selected implementation knows is a :class:`CaseError` on
+  ``provider``.
+
+Provider mapping (:func:`bench_provider`, per implementation): an implementation without providers runs on
 ``none``; ``auto`` stays ``auto`` for an implementation that picks per stage itself (``provider_name("auto")`` is
 ``auto``: fused), and otherwise becomes ``cudnn`` where that provider is usable here and the kernels are observable,
 else the implementation's own default (``provider_name("auto")``: megatron's ``unfused``); any other name goes
@@ -43,6 +47,37 @@ def parse_impls(text: Optional[str]) -> list[str]:
         except ValueError as exc:  # ImplError, a missing Megatron checkout (MegatronSourceError)
             raise CaseError("impl", " ".join(str(exc).split())) from None
     return names
+
+
+def _knows(impl, provider: str) -> bool:
+    """Is ``provider`` one of ``impl``'s providers (after its ``provider_name``), or ``auto``?"""
+    return provider == "auto" or not impl.has_providers or impl.provider_name(provider) in impl.providers()
+
+
+def parse_providers(text: Optional[str], impls: list[str]) -> dict[str, str]:
+    """``--provider`` → ``{implementation: requested provider}`` for ``impls`` (and ``fused``, which the stages,
+    breakdown and harness sections measure): ``"cudnn"`` for all, or ``"fused=torch,megatron=emulated"`` (an
+    implementation not named gets ``auto``)."""
+    from parity.impls import load
+
+    text = (text or "auto").strip()
+    loaded = {name: load(name) for name in dict.fromkeys([*impls, "fused"])}
+    if "=" not in text:
+        if "," in text or not any(_knows(impl, text) for impl in loaded.values()):
+            raise CaseError("provider", f"{text!r} is a provider of none of {', '.join(loaded)} (one name, or "
+                                        "per implementation: fused=torch,megatron=emulated)")
+        return {name: text for name in loaded}
+    out = {name: "auto" for name in loaded}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, sep, provider = (t.strip() for t in item.partition("="))
+        if not sep or name not in impls:
+            raise CaseError("provider", f"{item!r}: use <impl>=<provider> with an --impl name "
+                                        f"({', '.join(impls)})")
+        if not _knows(loaded[name], provider):
+            raise CaseError("provider", f"{name} has no provider {provider!r} (known: "
+                                        f"{', '.join(['auto', *loaded[name].providers()])})")
+        out[name] = provider
+    return out
 
 
 @dataclass

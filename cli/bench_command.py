@@ -66,9 +66,10 @@ examples:
 --no-reference) and, where it offers an observe_kernels hook (fused, megatron), the sum of its kernel calls and the
 ratio; the side-by-side table is also written as markdown next to the JSON (<json>.md). --provider maps per
 implementation: fused takes it as is (auto: the best per stage); megatron: cudnn = the real kernels, emulated /
-unfused as named, auto = cudnn where its kernels run, else unfused. A provider an implementation lacks or cannot run
-here makes its rows unsupported (with the reason); megatron's unfused provider runs no kernel call (kernel sum
-none, the row's kernels_note says so).
+unfused as named, auto = cudnn where its kernels run, else unfused; or name one per implementation
+(--provider fused=torch,megatron=emulated). A provider an implementation lacks or cannot run here makes its rows
+unsupported (with the reason); megatron's unfused provider runs no kernel call (kernel sum none, the row's
+kernels_note says so).
 
 Numbers are reported, never asserted (exit 0 unless the options are wrong). Everything that does not fit the
 --budget-s deadline, exceeds --ref-max-tokens or runs out of memory is listed as skipped / oom in the JSON.
@@ -99,9 +100,10 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
                         "(default fused); the reference runs beside them")
     p.add_argument("--no-reference", action="store_true",
                    help="e2e without the reference (and no 32K Pro-pack probe of it)")
-    p.add_argument("--provider", default="auto", choices=PROVIDERS,
-                   help="kernel provider (default auto): fused's auto/torch/cudnn/flashmla; megatron's "
-                        "unfused/emulated/cudnn, auto = cudnn where its kernels run, else unfused (see below)")
+    p.add_argument("--provider", default="auto",
+                   help=f"kernel provider (default auto), one of {','.join(PROVIDERS)} for every implementation or "
+                        "per implementation (fused=torch,megatron=emulated): fused's auto/torch/cudnn/flashmla; "
+                        "megatron's unfused/emulated/cudnn, auto = cudnn where its kernels run, else unfused")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     add_megatron_argument(p)
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per measurement (default 1)")
