@@ -2,11 +2,14 @@
 
 Sections (``--sections``, all by default):
 
-* ``e2e`` — per profile × tokens × scope (``core``, ``layer``): forward + backward of the fused path and of the
-  reference: time (median of the repeats), model TFLOP/s (:mod:`bench.flops`) and its share of the H200's
-  measured bf16 dense peak (CUDA only), peak memory above the inputs. For the fused path also the time of every
-  kernel call (observed at the dispatcher, :class:`bench.measure.KernelRecorder`) and the **composition ratio** =
-  fused forward + backward / sum of its kernels' times (a target at core scope, :data:`bench.targets.TARGETS`).
+* ``e2e`` — per profile × tokens × scope (``core``, ``layer``): forward + backward of each ``--impl``
+  implementation (default the fused path; e.g. ``fused,megatron``: production beside it) and of the reference
+  (unless ``--no-reference``): time (median of the repeats), model TFLOP/s (:mod:`bench.flops`) and its share of the
+  H200's measured bf16 dense peak (CUDA only), peak memory above the inputs. For an implementation with an
+  ``observe_kernels`` hook (:mod:`bench.impls`) also the time of every kernel call
+  (:class:`bench.measure.KernelRecorder`) and the **composition ratio** = forward + backward / sum of its kernels'
+  times (fused's is a target at core scope, :data:`bench.targets.TARGETS`); the implementations side by side
+  (:mod:`bench.side_by_side`).
 * ``stages`` — per stage (compressor, indexer forward, top-k, sparse attention forward / backward, score
   recompute, indexer backward): the fused kernels' time in the core-scope run next to the reference's stage
   function timed in isolation on inputs of the same shapes (:func:`bench.workloads.reference_stages`).
@@ -36,12 +39,14 @@ Timing: warm-up runs, then repeats on ``torch.cuda.Event`` pairs (CUDA) or ``per
 CPU the bench runs with one intra-op thread (``--threads``): on a shared 2-core machine a second OpenMP thread
 makes timings bimodal (a barrier waits for a descheduled thread). A ``--budget-s`` deadline (split between the
 sections; the harness sizes its second batch of cases by the first's pace) skips what does not fit, so one device
-call always ends; so do ``--ref-max-tokens`` and out-of-memory failures, each reported as a row status.
+call always ends (with only the e2e section it takes the whole budget; the JSON is rewritten after every e2e row);
+so do ``--ref-max-tokens`` and out-of-memory failures, each reported as a row status.
 
 Output: a rich table on the terminal, machine-readable JSON (``--json PATH``; schema ``dsv4-parity-bench/1``, see
 :func:`empty_report`) and a PNG of the scaling and end-to-end plots next to it.
 
-Modules: this one (settings, sections, targets), :mod:`bench.workloads` (what runs), :mod:`bench.measure` (timers,
+Modules: this one (settings, sections, targets), :mod:`bench.impls` (which implementations, on which provider),
+:mod:`bench.side_by_side` (their comparison), :mod:`bench.workloads` (what runs), :mod:`bench.measure` (timers,
 memory meters, kernel recorder, budget), :mod:`bench.flops` (model FLOPs), :mod:`bench.scaling` (slopes and
 findings), :mod:`bench.harness` (engine phases), :mod:`bench.output` (schema, tables, plot); the command line is
 :mod:`cli.bench_command`.
