@@ -1,4 +1,5 @@
-"""``dsv4-parity bench``'s engine: performance of the fused path, the reference and the harness — reported, never asserted.
+"""``dsv4-parity bench``'s engine: performance of the fused path (or any ``--impl``, e.g. production), the reference
+and the harness — reported, never asserted.
 
 Sections (``--sections``, all by default):
 
