@@ -13,7 +13,8 @@ Sections (``--sections``, all by default):
   (:mod:`bench.side_by_side`).
 * ``stages`` — per stage (compressor, indexer forward, top-k, sparse attention forward / backward, score
   recompute, indexer backward): the fused kernels' time in the core-scope run next to the reference's stage
-  function timed in isolation on inputs of the same shapes (:func:`bench.workloads.reference_stages`).
+  function timed in isolation on inputs of the same shapes (:func:`bench.workloads.reference_stages`), and the
+  kernels of every other ``--impl`` in its core-scope run (e.g. production's calls of the same kernels).
 * ``breakdown`` — per profile × tokens: one warm fused core forward + backward under ``torch.profiler``, its device
   time split into the providers' kernels and the composition's own ops by the repository line that issued them,
   and the idle time (wall - device busy): what to cut to bring the composition ratio down
@@ -263,7 +264,8 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
     * ``side_by_side``: per workload label, every implementation's ``provider status message time_ms kernel_sum_ms
       composition_ratio kernels_note`` and ``vs_first`` (its time / the first ``--impl``'s), :mod:`bench.side_by_side`;
     * ``stages``: ``profile tokens layout group`` + ``fused`` / ``reference`` {``status time_ms tflops
-      peak_mem_bytes retained_bytes function kernels``} + ``speedup`` (reference / fused);
+      peak_mem_bytes retained_bytes function kernels``} + ``speedup`` (reference / fused) and, with another
+      ``--impl``, ``impls`` {name: its observed kernels of the group, as ``fused``};
     * ``breakdown``: label + ``impl provider status message wall_ms busy_ms idle_ms device_ms provider_ms
       composition_ms sites_total sites[{site op calls ms}]`` (largest first) ``host_syncs`` ({``count
       sites[{site count}]``}) and ``graph`` ({``ms error``}: the step replayed as a CUDA graph), CUDA; else null;
@@ -474,7 +476,8 @@ class Bench:
             for profile in self.s.profiles:
                 work = self.workload(profile, tokens, scope=scope)
                 fused_row = self.e2e(work, "fused", deadline)
-                self.report["stages"] += self._stage_rows(work, fused_row, deadline)
+                others = {name: self.e2e(work, name, deadline) for name in self.s.impls if name != "fused"}
+                self.report["stages"] += self._stage_rows(work, fused_row, deadline, others)
 
     def _time_stage(self, stage: StageCall, deadline: Optional[float]) -> dict:
         device = self.s.device
@@ -514,7 +517,26 @@ class Bench:
         out["tflops"] = tflops(stage.flops, timing.median)
         return out
 
-    def _stage_rows(self, work: Workload, fused_row: dict, deadline: Optional[float]) -> list[dict]:
+    @staticmethod
+    def _kernel_group(e2e_row: dict, stages: Sequence[str], flops: dict) -> dict:
+        """One stage group of an e2e row's observed kernels: summed time, TFLOP/s, the largest peak (or the row's
+        status, or ``absent`` where it made no such kernel call)."""
+        side = {"status": e2e_row["status"], "message": e2e_row["message"], "time_ms": None, "tflops": None,
+                "peak_mem_bytes": None, "kernels": []}
+        ran = [k for k in e2e_row.get("kernels", []) if k["stage"] in stages]
+        if e2e_row["status"] == "ok" and ran:
+            t = sum(k["time_ms"] for k in ran)
+            side.update(time_ms=round(t, 4), kernels=ran,
+                        tflops=tflops(sum(flops.get(k["stage"], 0.0) for k in ran), t / 1e3),
+                        peak_mem_bytes=max((k["peak_mem_bytes"] or 0) for k in ran))
+        elif e2e_row["status"] == "ok":
+            side.update(status="absent", message=e2e_row.get("kernels_note") or "no such kernel call in this workload")
+        return side
+
+    def _stage_rows(self, work: Workload, fused_row: dict, deadline: Optional[float],
+                    others: Optional[dict] = None) -> list[dict]:
+        """The stage rows of one workload: fused's kernels per group, the reference's stage alone and, in ``impls``,
+        the kernels of every other ``--impl`` (``others``: its e2e row) per group."""
         label = {k: work.label()[k] for k in ("profile", "tokens", "layout", "segment_len", "ratio", "loss",
                                              "dtype")}
         ref_stages: dict[str, StageCall] = {}
@@ -528,15 +550,13 @@ class Bench:
                 ref_stages = {st.name: st for st in reference_stages(work, self.s.device)}
             except Exception as exc:  # noqa: BLE001
                 ref_status = _one_line(exc)
-        kernels: dict[str, list] = {}
-        for k in fused_row.get("kernels", []):
-            kernels.setdefault(k["stage"], []).append(k)
         flops = kernel_flops(work.config, work.counts, loss=work.effective_loss)
         rows = []
         for group, fused_stages, ref_name in STAGE_GROUPS:
-            fused = {"status": fused_row["status"], "message": fused_row["message"], "time_ms": None,
-                     "tflops": None, "peak_mem_bytes": None, "kernels": []}
+            impls = {}
             if group == "compressor":
+                fused = {"status": fused_row["status"], "message": fused_row["message"], "time_ms": None,
+                         "tflops": None, "peak_mem_bytes": None, "kernels": []}
                 try:
                     stage = fused_compressor_stage(work, self.s.device)
                 except Exception as exc:  # noqa: BLE001
@@ -546,15 +566,11 @@ class Bench:
                     fused.update(self._time_stage(stage, deadline))
                 elif fused["status"] == "ok":
                     continue  # no compressor in this layer
+                impls = {name: {"status": "absent", "message": "timed for fused only (an eager stage function)"}
+                         for name in others or {}}
             else:
-                ran = [k for name in fused_stages for k in kernels.get(name, [])]
-                if fused_row["status"] == "ok" and ran:
-                    t = sum(k["time_ms"] for k in ran)
-                    fused.update(time_ms=round(t, 4), kernels=ran,
-                                 tflops=tflops(sum(flops.get(k["stage"], 0.0) for k in ran), t / 1e3),
-                                 peak_mem_bytes=max((k["peak_mem_bytes"] or 0) for k in ran))
-                elif fused_row["status"] == "ok":
-                    fused.update(status="absent", message="no such kernel call in this workload")
+                fused = self._kernel_group(fused_row, fused_stages, flops)
+                impls = {name: self._kernel_group(row, fused_stages, flops) for name, row in (others or {}).items()}
             if ref_status is not None:
                 reference = {"status": "skipped", "message": ref_status}
             elif ref_name in ref_stages:
@@ -566,7 +582,8 @@ class Bench:
             speedup = None
             if fused.get("time_ms") and reference.get("time_ms"):
                 speedup = reference["time_ms"] / fused["time_ms"]
-            rows.append(dict(label, group=group, fused=fused, reference=reference, speedup=speedup))
+            rows.append(dict(label, group=group, fused=fused, reference=reference, speedup=speedup,
+                             **({"impls": impls} if impls else {})))
         self.log(f"stages {work.profile} T={work.tokens}: {len(rows)} rows")
         return rows
 
@@ -818,6 +835,7 @@ def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], 
         bench.run_stages()
         if "e2e" not in settings.sections:  # the fused rows the stages used are still worth reporting
             report["e2e"] = [r for r in bench.e2e_cache.values() if r["scope"] == "core"]
+            report["side_by_side"] = side_by_side(report["e2e"], settings.impls)
         done("stages")
     if probe:
         report["pro_pack_probe"] = pro_pack_probe(bench, bench.budget.section(0.3))

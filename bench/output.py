@@ -109,6 +109,11 @@ def _tf(x: Optional[float]) -> str:
     return "—" if x is None else (f"{x:.3g}" if x >= 0.01 else f"{x:.2e}")
 
 
+def _side_ms(side: dict) -> str:
+    """A stage side's time, or its status where it has none."""
+    return _ms(side.get("time_ms")) if side.get("status") == "ok" else side.get("status", "—")
+
+
 def render_tables(report: dict, console=None) -> None:
     """The report as rich tables."""
     from rich.console import Console
@@ -142,18 +147,19 @@ def render_tables(report: dict, console=None) -> None:
     if report.get("side_by_side") and impls != ["fused"]:
         _side_by_side_table(console, report["side_by_side"], impls)
     if report["stages"]:
-        t = Table(title="Stages: fused kernels (in the core-scope run) vs the reference stage alone")
+        others = [n for n in impls if n != "fused"]
+        t = Table(title="Stages: fused kernels (in the core-scope run) vs the reference stage alone"
+                        + (f"; {', '.join(others)}: its kernels in its core-scope run" if others else ""))
         for col in ("profile", "T", "stage", "fused ms", "fused TFLOP/s", "fused MiB", "ref ms", "ref TFLOP/s",
-                    "ref MiB", "ref/fused"):
+                    "ref MiB", "ref/fused", *(f"{n} ms" for n in others)):
             t.add_column(col, justify="left" if col in ("profile", "stage") else "right")
         for r in report["stages"]:
             f, g = r["fused"], r["reference"]
-            t.add_row(r["profile"], str(r["tokens"]), r["group"],
-                      _ms(f.get("time_ms")) if f.get("status") == "ok" else f.get("status", "—"),
-                      _tf(f.get("tflops")), _mib(f.get("peak_mem_bytes")),
-                      _ms(g.get("time_ms")) if g.get("status") == "ok" else g.get("status", "—"),
+            sides = [(r.get("impls") or {}).get(n, {}) for n in others]
+            t.add_row(r["profile"], str(r["tokens"]), r["group"], _side_ms(f),
+                      _tf(f.get("tflops")), _mib(f.get("peak_mem_bytes")), _side_ms(g),
                       _tf(g.get("tflops")), _mib(g.get("peak_mem_bytes")),
-                      "—" if not r.get("speedup") else f"{r['speedup']:.2f}")
+                      "—" if not r.get("speedup") else f"{r['speedup']:.2f}", *(_side_ms(x) for x in sides))
         console.print(t)
     for r in report.get("breakdown", []):
         if r.get("status") != "ok":

@@ -202,13 +202,31 @@ def test_provider_per_implementation():
 def test_cli_runs_each_implementation_on_its_own_provider(tmp_path):
     out = tmp_path / "b.json"
     argv = TINY + ["--impl", "fused,megatron", "--provider", "fused=torch,megatron=emulated", "--scope", "core",
-                   "--no-reference", "--json", str(out)]
+                   "--no-reference", "--sections", "e2e,stages", "--json", str(out)]
     assert cli_main(argv) == 0
     report = json.loads(out.read_text())
+    assert bench_output.check_schema(report) == []
     rows = {r["impl"]: r for r in report["e2e"]}
     assert (rows["fused"]["provider"], rows["megatron"]["provider"]) == ("torch", "emulated")
     assert all(r["status"] == "ok" and r["kernel_sum_ms"] > 0 for r in rows.values())
     assert set(report["side_by_side"][0]["vs_first"]) == {"fused", "megatron"}
+    # stages: production's kernels per group beside fused's (the compressor is an eager stage function: fused only)
+    stages = {r["group"]: r["impls"]["megatron"] for r in report["stages"]}
+    assert stages["compressor"]["status"] == "absent"
+    for group in ("indexer forward", "top-k", "sparse attention fwd", "sparse attention bwd"):
+        assert stages[group]["status"] == "ok" and stages[group]["time_ms"] > 0, (group, stages[group])
+
+
+def test_a_stage_group_without_kernel_calls_is_absent_and_says_why():
+    ok = {"status": "ok", "message": "", "kernels": [{"stage": "sparse_attn_fwd", "provider": "torch", "calls": 1,
+                                                      "time_ms": 2.0, "peak_mem_bytes": 10}]}
+    group = bench.Bench._kernel_group(ok, ("sparse_attn_fwd",), {"sparse_attn_fwd": 2e9})
+    assert group["status"] == "ok" and group["time_ms"] == 2.0 and group["tflops"] == pytest.approx(1.0)
+    none = dict(ok, kernels=[], kernels_note="no kernels observed: megatron on provider 'unfused' ...")
+    group = bench.Bench._kernel_group(none, ("sparse_attn_fwd",), {})
+    assert group["status"] == "absent" and "no kernels observed" in group["message"]
+    failed = dict(ok, status="unsupported", message="no GPU")
+    assert bench.Bench._kernel_group(failed, ("sparse_attn_fwd",), {})["status"] == "unsupported"
 
 
 def test_unknown_provider_is_one_line_naming_the_field(capsys):
