@@ -31,21 +31,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     path = Path(args.json) if args.json else default_json_path()
     path.parent.mkdir(parents=True, exist_ok=True)
 
+    md = path.with_suffix(".md")
+    md.unlink(missing_ok=True)  # an earlier run's table must not pass for this one's
+
     def save(doc: dict) -> None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(path)
+        """The JSON (and the side-by-side markdown), rewritten whole after every e2e row and every section."""
+        for target, text in ((path, json.dumps(doc, indent=1) + "\n"),
+                             (md, markdown(doc["side_by_side"], settings.impls,
+                                           doc["env"].get("gpu") or doc["machine"].get("processor") or "")
+                              if doc.get("side_by_side") else None)):
+            if text is not None:
+                tmp = target.with_suffix(target.suffix + ".tmp")
+                tmp.write_text(text)
+                tmp.replace(target)
 
     report = run_bench(settings, ["dsv4-parity", *getattr(args, "argv", sys.argv[1:])], log, checkpoint=save)
     save(report)
     png = None if args.no_plot else write_plot(report, Path(args.plot) if args.plot else path.with_suffix(".png"))
-    md = None
-    if report.get("side_by_side"):
-        md = path.with_suffix(".md")
-        md.write_text(markdown(report["side_by_side"], settings.impls,
-                               report["env"].get("gpu") or report["machine"].get("processor") or ""))
     render_tables(report)
-    print(f"json: {path}" + (f"\nplot: {png}" if png else "") + (f"\nmarkdown: {md}" if md else ""))
+    print(f"json: {path}" + (f"\nplot: {png}" if png else "") + (f"\nmarkdown: {md}" if md.exists() else ""))
     return 0
 
 
