@@ -57,7 +57,8 @@ def _knows(impl, provider: str) -> bool:
 def parse_providers(text: Optional[str], impls: list[str]) -> dict[str, str]:
     """``--provider`` → ``{implementation: requested provider}`` for ``impls`` (and ``fused``, which the stages,
     breakdown and harness sections measure): ``"cudnn"`` for all, or ``"fused=torch,megatron=emulated"`` (an
-    implementation not named gets ``auto``)."""
+    implementation not named gets ``auto``; so does fused, when only the other sections measure it, for a name it
+    lacks)."""
     from parity.impls import load
 
     text = (text or "auto").strip()
@@ -66,7 +67,8 @@ def parse_providers(text: Optional[str], impls: list[str]) -> dict[str, str]:
         if "," in text or not any(_knows(impl, text) for impl in loaded.values()):
             raise CaseError("provider", f"{text!r} is a provider of none of {', '.join(loaded)} (one name, or "
                                         "per implementation: fused=torch,megatron=emulated)")
-        return {name: text for name in loaded}
+        # fused measured only as the other sections' baseline (not named in --impl) keeps auto for a name it lacks
+        return {name: text if name in impls or _knows(impl, text) else "auto" for name, impl in loaded.items()}
     out = {name: "auto" for name in loaded}
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, sep, provider = (t.strip() for t in item.partition("="))

@@ -192,6 +192,8 @@ def test_provider_per_implementation():
                                                                                   "megatron": "emulated"}
     assert bench_impls.parse_providers("megatron=emulated", ["megatron"]) == {"megatron": "emulated", "fused": "auto"}
     assert bench_impls.parse_providers("cudnn", impls) == {"fused": "cudnn", "megatron": "cudnn"}
+    assert bench_impls.parse_providers("emulated", ["megatron"]) == {"megatron": "emulated", "fused": "auto"}
+    assert bench_impls.parse_providers("emulated", impls) == {"fused": "emulated", "megatron": "emulated"}
     for bad, says in (("bogus", "'bogus' is a provider of none"), ("fused=emulated", "fused has no provider"),
                       ("reference=torch", "an --impl name"), ("torch,cudnn", "one name")):
         with pytest.raises(bench.CaseError, match="provider") as err:
