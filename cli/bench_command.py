@@ -62,8 +62,8 @@ examples:
   dsv4-parity bench --sections gate --json $OUT/gate.json   # one H200: the gate suite cold, then warm
   dsv4-parity bench --sections e2e --impl megatron --provider emulated --profile tiny --tokens 256 --no-reference
                                                       # CPU: production's fused path over the torch stand-ins
-  dsv4-parity bench --sections e2e --impl fused,megatron --profile kernel,pro --tokens 4K,16K,32K \
-      --provider cudnn --no-reference --budget-s 220 --json $OUT/bench-megatron.json --no-plot
+  dsv4-parity bench --sections e2e --impl fused,megatron --profile kernel,pro --tokens 4K,16K,32K \\
+      --scope layer,core --provider cudnn --no-reference --budget-s 180 --json $OUT/bench-megatron.json --no-plot
                                                       # one H200: production beside fused, each vs its kernel sum
 
 --impl a,b measures each implementation's forward + backward in the e2e section (the reference beside them unless
