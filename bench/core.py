@@ -1,15 +1,20 @@
-"""``dsv4-parity bench``'s engine: performance of the fused path, the reference and the harness — reported, never asserted.
+"""``dsv4-parity bench``'s engine: performance of the fused path (or any ``--impl``, e.g. production), the reference
+and the harness — reported, never asserted.
 
 Sections (``--sections``, all by default):
 
-* ``e2e`` — per profile × tokens × scope (``core``, ``layer``): forward + backward of the fused path and of the
-  reference: time (median of the repeats), model TFLOP/s (:mod:`bench.flops`) and its share of the H200's
-  measured bf16 dense peak (CUDA only), peak memory above the inputs. For the fused path also the time of every
-  kernel call (observed at the dispatcher, :class:`bench.measure.KernelRecorder`) and the **composition ratio** =
-  fused forward + backward / sum of its kernels' times (a target at core scope, :data:`bench.targets.TARGETS`).
+* ``e2e`` — per profile × tokens × scope (``core``, ``layer``): forward + backward of each ``--impl``
+  implementation (default the fused path; e.g. ``fused,megatron``: production beside it) and of the reference
+  (unless ``--no-reference``): time (median of the repeats), model TFLOP/s (:mod:`bench.flops`) and its share of the
+  H200's measured bf16 dense peak (CUDA only), peak memory above the inputs. For an implementation with an
+  ``observe_kernels`` hook (:mod:`bench.impls`) also the time of every kernel call
+  (:class:`bench.measure.KernelRecorder`) and the **composition ratio** = forward + backward / sum of its kernels'
+  times (fused's is a target at core scope, :data:`bench.targets.TARGETS`); the implementations side by side
+  (:mod:`bench.side_by_side`).
 * ``stages`` — per stage (compressor, indexer forward, top-k, sparse attention forward / backward, score
   recompute, indexer backward): the fused kernels' time in the core-scope run next to the reference's stage
-  function timed in isolation on inputs of the same shapes (:func:`bench.workloads.reference_stages`).
+  function timed in isolation on inputs of the same shapes (:func:`bench.workloads.reference_stages`), and the
+  kernels of every other ``--impl`` in its core-scope run (e.g. production's calls of the same kernels).
 * ``breakdown`` — per profile × tokens: one warm fused core forward + backward under ``torch.profiler``, its device
   time split into the providers' kernels and the composition's own ops by the repository line that issued them,
   and the idle time (wall - device busy): what to cut to bring the composition ratio down
@@ -36,12 +41,14 @@ Timing: warm-up runs, then repeats on ``torch.cuda.Event`` pairs (CUDA) or ``per
 CPU the bench runs with one intra-op thread (``--threads``): on a shared 2-core machine a second OpenMP thread
 makes timings bimodal (a barrier waits for a descheduled thread). A ``--budget-s`` deadline (split between the
 sections; the harness sizes its second batch of cases by the first's pace) skips what does not fit, so one device
-call always ends; so do ``--ref-max-tokens`` and out-of-memory failures, each reported as a row status.
+call always ends (with only the e2e section it takes the whole budget; the JSON is rewritten after every e2e row);
+so do ``--ref-max-tokens`` and out-of-memory failures, each reported as a row status.
 
 Output: a rich table on the terminal, machine-readable JSON (``--json PATH``; schema ``dsv4-parity-bench/1``, see
 :func:`empty_report`) and a PNG of the scaling and end-to-end plots next to it.
 
-Modules: this one (settings, sections, targets), :mod:`bench.workloads` (what runs), :mod:`bench.measure` (timers,
+Modules: this one (settings, sections, targets), :mod:`bench.impls` (which implementations, on which provider),
+:mod:`bench.side_by_side` (their comparison), :mod:`bench.workloads` (what runs), :mod:`bench.measure` (timers,
 memory meters, kernel recorder, budget), :mod:`bench.flops` (model FLOPs), :mod:`bench.scaling` (slopes and
 findings), :mod:`bench.harness` (engine phases), :mod:`bench.output` (schema, tables, plot); the command line is
 :mod:`cli.bench_command`.
@@ -67,10 +74,12 @@ from cases.errors import CaseError
 from bench.breakdown import profile_step
 from bench.flops import H200_BF16_PEAK_TFLOPS, kernel_flops, tflops
 from bench.harness import harness_throughput
+from bench.impls import BenchImpl, bench_impl, no_kernels_note, parse_impls, parse_providers
 from bench.measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_memory, is_oom, synchronize,
                             time_call)
 from bench.output import SCHEMA, jsonable, ms_part
 from bench.scaling import findings_from_fits, fit_series, function_series
+from bench.side_by_side import side_by_side
 from bench.targets import TARGETS
 from bench.workloads import (StageCall, Workload, clear_caches, forward_backward,
                               fused_compressor_stage, make_tensors, reference_stages, tensor_bytes)
@@ -137,7 +146,10 @@ class Settings:
     dtype: str
     scopes: list[str]
     sections: list[str]
-    provider: str = "auto"
+    provider: str = "auto"  # --provider as given: one name, or per implementation (providers)
+    providers: dict = None   # {implementation: requested provider}, bench/impls.py parse_providers
+    impls: list[str] = None  # --impl: the implementations measured in e2e (default ["fused"]), bench/impls.py
+    reference: bool = True   # the reference beside them (--no-reference: not in e2e, no pro-pack probe)
     warmup: int = 1
     repeats: int = 3
     target_s: float = 1.0
@@ -150,6 +162,14 @@ class Settings:
     threads: Optional[int] = None
     quiet: bool = False
     gate: Optional[dict] = None  # gate section options (suite, provider, workers, limit, runs, cache_dir, dir)
+
+    def __post_init__(self) -> None:
+        self.impls = list(self.impls or ["fused"])
+        self.providers = dict(self.providers or {})
+
+    def provider_for(self, impl: str) -> str:
+        """The provider requested for ``impl`` (``--provider``: per implementation, else one name for all)."""
+        return self.providers.get(impl, "auto" if "=" in self.provider else self.provider)
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -183,12 +203,15 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     dtype = args.dtype or d["dtype"]
     if dtype not in ("float64", "float32", "bfloat16"):
         raise CaseError("dtype", f"must be float64, float32 or bfloat16, got {dtype!r}")
+    impls = parse_impls(getattr(args, "impl", None))
+    providers = parse_providers(args.provider, impls)
     budget = d["budget_s"] if args.budget_s is None else (None if args.budget_s <= 0 else args.budget_s)
     ref_max = d["ref_max_tokens"] if args.ref_max_tokens is None else (args.ref_max_tokens or None)
     return Settings(
         device=device, profiles=profiles, tokens=tokens, layout=args.layout,
         segment_len=args.segment_len or d["segment_len"], ratio=args.ratio, loss=args.loss, dtype=dtype,
-        scopes=scopes, sections=sections, provider=args.provider, warmup=max(args.warmup, 0),
+        scopes=scopes, sections=sections, provider=args.provider, providers=providers, impls=impls,
+        reference=not getattr(args, "no_reference", False), warmup=max(args.warmup, 0),
         repeats=max(args.repeats, 1), target_s=args.target_s, budget_s=budget, ref_max_tokens=ref_max,
         harness_suite=args.harness_suite or d["harness_suite"],
         harness_limit=d["harness_limit"] if args.harness_limit is None else args.harness_limit,
@@ -232,11 +255,17 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
     """The JSON document, before measuring. Every list holds row objects:
 
     * ``e2e``: label (``profile tokens layout segment_len ratio loss dtype scope``) + ``impl provider status
-      message time flops tflops peak_fraction peak_mem_bytes inputs_bytes`` and, fused: ``kernels`` (per
-      ``stage``/``provider``: ``calls time_ms peak_mem_bytes`` per iteration), ``kernel_sum_ms``,
-      ``composition_ratio``;
+      message time flops tflops peak_fraction peak_mem_bytes inputs_bytes`` and, for an implementation with an
+      ``observe_kernels`` hook (fused, megatron): ``kernels`` (per ``stage``/``provider``: ``calls time_ms
+      peak_mem_bytes`` per iteration), ``kernel_sum_ms``, ``composition_ratio`` (fwd+bwd / kernel sum), ``plan``;
+      where no kernel was observed (no hook, or a provider without kernel calls such as megatron's ``unfused``)
+      ``kernel_sum_ms`` is null and ``kernels_note`` says why;
+    * ``impls``: per ``--impl`` name (and ``reference``): ``provider unavailable observe_kernels describe``;
+    * ``side_by_side``: per workload label, every implementation's ``provider status message time_ms kernel_sum_ms
+      composition_ratio kernels_note`` and ``vs_first`` (its time / the first ``--impl``'s), :mod:`bench.side_by_side`;
     * ``stages``: ``profile tokens layout group`` + ``fused`` / ``reference`` {``status time_ms tflops
-      peak_mem_bytes retained_bytes function kernels``} + ``speedup`` (reference / fused);
+      peak_mem_bytes retained_bytes function kernels``} + ``speedup`` (reference / fused) and, with another
+      ``--impl``, ``impls`` {name: its observed kernels of the group, as ``fused``};
     * ``breakdown``: label + ``impl provider status message wall_ms busy_ms idle_ms device_ms provider_ms
       composition_ms sites_total sites[{site op calls ms}]`` (largest first) ``host_syncs`` ({``count
       sites[{site count}]``}) and ``graph`` ({``ms error``}: the step replayed as a CUDA graph), CUDA; else null;
@@ -251,7 +280,8 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
 
     return {"schema": SCHEMA, "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "argv": list(argv), "settings": settings.to_dict(), "env": environment(settings.device),
-            "machine": machine(), "peak_tflops": settings.peak_tflops, "e2e": [], "stages": [], "breakdown": [],
+            "machine": machine(), "peak_tflops": settings.peak_tflops, "impls": {}, "e2e": [], "side_by_side": [],
+            "stages": [], "breakdown": [],
             "scaling": {"series": [], "fits": []}, "harness": None, "targets": [], "findings": [], "skipped": [],
             "duration_s": None}
 
@@ -278,12 +308,15 @@ def _status_of(exc: BaseException) -> str:
 class Bench:
     """One bench run: settings, budget, the report being filled, and a cache of measured e2e rows."""
 
-    def __init__(self, settings: Settings, report: dict, log: Callable[[str], None]):
+    def __init__(self, settings: Settings, report: dict, log: Callable[[str], None],
+                 on_row: Optional[Callable[[], None]] = None):
         self.s = settings
         self.report = report
         self.log = log
+        self.on_row = on_row or (lambda: None)  # after every e2e row: the JSON is checkpointed (a kill keeps rows)
         self.budget = Budget(settings.budget_s)
         self.e2e_cache: dict[tuple, dict] = {}
+        self._bench_impls: dict[str, BenchImpl] = {}
 
     def skip(self, what: str, why: str) -> None:
         self.report["skipped"].append({"what": what, "why": why})
@@ -292,6 +325,21 @@ class Bench:
         from parity.impls import load
 
         return load(name)
+
+    def bench_impl(self, name: str) -> BenchImpl:
+        """``name`` with its provider and kernel hook (:mod:`bench.impls`), recorded once in ``report["impls"]``."""
+        if name not in self._bench_impls:
+            b = self._bench_impls[name] = bench_impl(name, self.s.provider_for(name))
+            info = {"provider": b.provider, "unavailable": b.unavailable,
+                    "observe_kernels": b.observe_kernels is not None, "describe": None}
+            if b.unavailable is None:
+                try:
+                    with b.context()():  # the provider in force: its stand-ins are the ones described
+                        info["describe"] = b.impl.describe()
+                except Exception as exc:  # noqa: BLE001 — a description is not worth a failed bench
+                    info["describe"] = {"error": _one_line(exc)}
+            self.report["impls"][name] = info
+        return self._bench_impls[name]
 
     def workload(self, profile: str, tokens: int, **changes) -> Workload:
         s = self.s
@@ -309,12 +357,24 @@ class Bench:
             return self.e2e_cache[key]
         row = dict(work.label(), impl=impl_name, provider=None, status="ok", message="", time=Timing().to_dict(),
                    flops=work.flops, tflops=None, peak_fraction=None, peak_mem_bytes=None, inputs_bytes=None)
+        b = None
         if Budget.passed(deadline):
             row.update(status="skipped", message="time budget")
         elif impl_name == "reference" and self.ref_too_big(work.tokens):
             row.update(status="skipped", message=f"above --ref-max-tokens {self.s.ref_max_tokens}")
         else:
-            self._measure_e2e(work, impl_name, row, deadline)
+            try:
+                b = self.bench_impl(impl_name)
+            except Exception as exc:  # noqa: BLE001 — an implementation failing to load is a row, not a crash
+                row.update(status=_status_of(exc), message=_one_line(exc))
+            if b is not None:
+                row["provider"] = b.provider
+                if b.unavailable:
+                    row.update(status="unsupported", message=b.unavailable)
+                else:
+                    self._measure_e2e(work, b, row, deadline)
+                    if row["status"] == "ok" and row.get("kernel_sum_ms") is None:
+                        row["kernels_note"] = no_kernels_note(b)
         self.e2e_cache[key] = row
         self.log(" ".join(filter(None, (
             f"e2e {work.profile} T={work.tokens} {work.layout} {work.scope} {work.effective_loss} loss "
@@ -322,21 +382,18 @@ class Bench:
             f"({row['message']})" if row["message"] else ""))))
         return row
 
-    def _measure_e2e(self, work: Workload, impl_name: str, row: dict, deadline: Optional[float]) -> None:
+    def _measure_e2e(self, work: Workload, b: BenchImpl, row: dict, deadline: Optional[float]) -> None:
         s, device = self.s, self.s.device
         tensors = step = None
         failed = False
+        observe = b.observe_kernels
         try:
-            impl = self._impl(impl_name)
-            provider = impl.resolve_provider(s.provider)
-            row["provider"] = provider
             tensors = make_tensors(work, device)
             row["inputs_bytes"] = tensor_bytes(tensors)
-            step = forward_backward(impl.api, work.case, tensors, impl.context(provider))
-            fused = impl.has_providers
+            step = forward_backward(b.api, work.case, tensors, b.context())
             mem_rec = None
             if device == "cuda":  # the allocator's peak costs nothing: the memory run is the first warm-up
-                peak, mem_rec = self._memory_run(step, fused)
+                peak, mem_rec = self._memory_run(step, observe)
                 row["peak_mem_bytes"] = peak
             estimate = None
             for _ in range(max(s.warmup, 1 if device == "cuda" else 0)):
@@ -345,14 +402,14 @@ class Bench:
                 synchronize(device)
                 estimate = time.perf_counter() - t0
             # timed runs, kernel calls recorded
-            with (KernelRecorder(device) if fused else contextlib.nullcontext()) as rec:
+            with (KernelRecorder(device, observe=observe) if observe else contextlib.nullcontext()) as rec:
                 timing = time_call(step, device, warmup=0, repeats=s.repeats, target_s=s.target_s,
                                    deadline=deadline, estimate_s=estimate)
                 if rec is not None:
                     rec.flush()
             # the CPU meter slows every op down: a run of its own, after the timed ones, if it fits the deadline
             if device != "cuda" and Budget.fits(deadline, 2 * (estimate or timing.median or 0.0)):
-                peak, mem_rec = self._memory_run(step, fused)
+                peak, mem_rec = self._memory_run(step, observe)
                 row["peak_mem_bytes"] = peak
         except Exception as exc:  # noqa: BLE001 — an OOM or a failing implementation is a row, not a crash
             row.update(status=_status_of(exc), message=_one_line(exc))
@@ -367,7 +424,7 @@ class Bench:
         row["tflops"] = tflops(work.flops, seconds)
         if row["tflops"] is not None and s.peak_tflops:
             row["peak_fraction"] = row["tflops"] / s.peak_tflops
-        if rec is not None:
+        if rec is not None and rec.stats:
             iters = len(timing.seconds)
             peaks = {k: v.peak_bytes for k, v in mem_rec.stats.items()} if mem_rec is not None else {}
             kernels = []
@@ -384,25 +441,33 @@ class Bench:
                 ran.setdefault(k["stage"], set()).add(k["provider"])
             row["plan"] = {stage: "+".join(sorted(p)) for stage, p in ran.items()}
 
-    def _memory_run(self, step: Callable[[], None], fused: bool) -> tuple[Optional[int], Optional[KernelRecorder]]:
-        """One run under a :class:`MemoryMeter`: ``(peak bytes above the inputs, the per-kernel recorder)``."""
+    def _memory_run(self, step: Callable[[], None],
+                    observe: Optional[Callable]) -> tuple[Optional[int], Optional[KernelRecorder]]:
+        """One run under a :class:`MemoryMeter`: ``(peak bytes above the inputs, the per-kernel recorder)``
+        (``observe``: the implementation's ``observe_kernels`` hook, or None: no recorder)."""
         device = self.s.device
         with MemoryMeter(device) as meter:
-            with (KernelRecorder(device, meter) if fused else contextlib.nullcontext()) as rec:
+            with (KernelRecorder(device, meter, observe) if observe else contextlib.nullcontext()) as rec:
                 step()
             if rec is not None:
                 rec.flush()
         return meter.peak, rec
 
     # ---- sections
-    def run_e2e(self) -> None:
-        deadline = self.budget.section(SECTION_SHARE["e2e"])
+    def e2e_impls(self) -> list[str]:
+        """The implementations of the e2e section: ``--impl`` in order, then the reference (unless dropped)."""
+        return list(self.s.impls) + (["reference"] if self.s.reference else [])
+
+    def run_e2e(self, share: float = SECTION_SHARE["e2e"]) -> None:
+        deadline = self.budget.section(share)
         for tokens in self.s.tokens:            # small T of every profile first: a budget cut drops the largest
             for profile in self.s.profiles:
                 for scope in self.s.scopes:
                     work = self.workload(profile, tokens, scope=scope)
-                    for impl in ("fused", "reference"):
+                    for impl in self.e2e_impls():
                         self.report["e2e"].append(self.e2e(work, impl, deadline))
+                        self.report["side_by_side"] = side_by_side(self.report["e2e"], self.s.impls)
+                        self.on_row()
 
     def run_stages(self) -> None:
         deadline = self.budget.section(SECTION_SHARE["stages"])
@@ -411,7 +476,8 @@ class Bench:
             for profile in self.s.profiles:
                 work = self.workload(profile, tokens, scope=scope)
                 fused_row = self.e2e(work, "fused", deadline)
-                self.report["stages"] += self._stage_rows(work, fused_row, deadline)
+                others = {name: self.e2e(work, name, deadline) for name in self.s.impls if name != "fused"}
+                self.report["stages"] += self._stage_rows(work, fused_row, deadline, others)
 
     def _time_stage(self, stage: StageCall, deadline: Optional[float]) -> dict:
         device = self.s.device
@@ -451,7 +517,26 @@ class Bench:
         out["tflops"] = tflops(stage.flops, timing.median)
         return out
 
-    def _stage_rows(self, work: Workload, fused_row: dict, deadline: Optional[float]) -> list[dict]:
+    @staticmethod
+    def _kernel_group(e2e_row: dict, stages: Sequence[str], flops: dict) -> dict:
+        """One stage group of an e2e row's observed kernels: summed time, TFLOP/s, the largest peak (or the row's
+        status, or ``absent`` where it made no such kernel call)."""
+        side = {"status": e2e_row["status"], "message": e2e_row["message"], "time_ms": None, "tflops": None,
+                "peak_mem_bytes": None, "kernels": []}
+        ran = [k for k in e2e_row.get("kernels", []) if k["stage"] in stages]
+        if e2e_row["status"] == "ok" and ran:
+            t = sum(k["time_ms"] for k in ran)
+            side.update(time_ms=round(t, 4), kernels=ran,
+                        tflops=tflops(sum(flops.get(k["stage"], 0.0) for k in ran), t / 1e3),
+                        peak_mem_bytes=max((k["peak_mem_bytes"] or 0) for k in ran))
+        elif e2e_row["status"] == "ok":
+            side.update(status="absent", message=e2e_row.get("kernels_note") or "no such kernel call in this workload")
+        return side
+
+    def _stage_rows(self, work: Workload, fused_row: dict, deadline: Optional[float],
+                    others: Optional[dict] = None) -> list[dict]:
+        """The stage rows of one workload: fused's kernels per group, the reference's stage alone and, in ``impls``,
+        the kernels of every other ``--impl`` (``others``: its e2e row) per group."""
         label = {k: work.label()[k] for k in ("profile", "tokens", "layout", "segment_len", "ratio", "loss",
                                              "dtype")}
         ref_stages: dict[str, StageCall] = {}
@@ -465,15 +550,13 @@ class Bench:
                 ref_stages = {st.name: st for st in reference_stages(work, self.s.device)}
             except Exception as exc:  # noqa: BLE001
                 ref_status = _one_line(exc)
-        kernels: dict[str, list] = {}
-        for k in fused_row.get("kernels", []):
-            kernels.setdefault(k["stage"], []).append(k)
         flops = kernel_flops(work.config, work.counts, loss=work.effective_loss)
         rows = []
         for group, fused_stages, ref_name in STAGE_GROUPS:
-            fused = {"status": fused_row["status"], "message": fused_row["message"], "time_ms": None,
-                     "tflops": None, "peak_mem_bytes": None, "kernels": []}
+            impls = {}
             if group == "compressor":
+                fused = {"status": fused_row["status"], "message": fused_row["message"], "time_ms": None,
+                         "tflops": None, "peak_mem_bytes": None, "kernels": []}
                 try:
                     stage = fused_compressor_stage(work, self.s.device)
                 except Exception as exc:  # noqa: BLE001
@@ -483,15 +566,11 @@ class Bench:
                     fused.update(self._time_stage(stage, deadline))
                 elif fused["status"] == "ok":
                     continue  # no compressor in this layer
+                impls = {name: {"status": "absent", "message": "timed for fused only (an eager stage function)"}
+                         for name in others or {}}
             else:
-                ran = [k for name in fused_stages for k in kernels.get(name, [])]
-                if fused_row["status"] == "ok" and ran:
-                    t = sum(k["time_ms"] for k in ran)
-                    fused.update(time_ms=round(t, 4), kernels=ran,
-                                 tflops=tflops(sum(flops.get(k["stage"], 0.0) for k in ran), t / 1e3),
-                                 peak_mem_bytes=max((k["peak_mem_bytes"] or 0) for k in ran))
-                elif fused_row["status"] == "ok":
-                    fused.update(status="absent", message="no such kernel call in this workload")
+                fused = self._kernel_group(fused_row, fused_stages, flops)
+                impls = {name: self._kernel_group(row, fused_stages, flops) for name, row in (others or {}).items()}
             if ref_status is not None:
                 reference = {"status": "skipped", "message": ref_status}
             elif ref_name in ref_stages:
@@ -503,7 +582,8 @@ class Bench:
             speedup = None
             if fused.get("time_ms") and reference.get("time_ms"):
                 speedup = reference["time_ms"] / fused["time_ms"]
-            rows.append(dict(label, group=group, fused=fused, reference=reference, speedup=speedup))
+            rows.append(dict(label, group=group, fused=fused, reference=reference, speedup=speedup,
+                             **({"impls": impls} if impls else {})))
         self.log(f"stages {work.profile} T={work.tokens}: {len(rows)} rows")
         return rows
 
@@ -582,7 +662,7 @@ class Bench:
         failed = False
         try:
             impl = self._impl("fused")
-            row["provider"] = impl.resolve_provider(self.s.provider)
+            row["provider"] = impl.resolve_provider(self.s.provider_for("fused"))
             tensors = make_tensors(work, device)
             step = forward_backward(impl.api, work.case, tensors, impl.context(row["provider"]))
             for _ in range(max(self.s.warmup, 1)):
@@ -734,23 +814,30 @@ def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], 
                   checkpoint: Callable[[dict], None]) -> dict:
     start = time.perf_counter()
     report = empty_report(settings, argv)
-    bench = Bench(settings, report, log)
 
-    def done(section: str) -> None:
-        report.setdefault("sections_done", []).append(section)
+    def snapshot() -> None:
         report["targets"] = evaluate_targets(report, settings)
         report["duration_s"] = round(time.perf_counter() - start, 2)
         checkpoint(dict(jsonable(report), partial=True))
 
+    def done(section: str) -> None:
+        report.setdefault("sections_done", []).append(section)
+        snapshot()
+
+    bench = Bench(settings, report, log, on_row=snapshot)
+    probe = "e2e" in settings.sections and settings.device == "cuda" and "pro" in settings.profiles \
+        and settings.reference
     if "e2e" in settings.sections:
-        bench.run_e2e()
+        alone = not probe and not set(settings.sections) - {"e2e"}
+        bench.run_e2e(1.0 if alone else SECTION_SHARE["e2e"])  # the only section: the whole budget
         done("e2e")
     if "stages" in settings.sections:
         bench.run_stages()
         if "e2e" not in settings.sections:  # the fused rows the stages used are still worth reporting
             report["e2e"] = [r for r in bench.e2e_cache.values() if r["scope"] == "core"]
+            report["side_by_side"] = side_by_side(report["e2e"], settings.impls)
         done("stages")
-    if "e2e" in settings.sections and settings.device == "cuda" and "pro" in settings.profiles:
+    if probe:
         report["pro_pack_probe"] = pro_pack_probe(bench, bench.budget.section(0.3))
         done("pro_pack_probe")
     if "breakdown" in settings.sections:

@@ -61,7 +61,7 @@ def harness_throughput(s: Any, log: Callable[[str], None], deadline: Optional[fl
     load_s = time.perf_counter() - t0
     chosen = _spread(suite, s.harness_limit)
     batches = [chosen] if deadline is None else [chosen[:2], chosen[2:]]
-    options = RunOptions(impl="fused", against="reference", provider=s.provider, device=s.device)
+    options = RunOptions(impl="fused", against="reference", provider=s.provider_for("fused"), device=s.device)
     total, ran = 0.0, 0
     counts: dict[str, int] = {}
     report_s = None

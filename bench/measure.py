@@ -8,9 +8,10 @@ fused providers, and a time budget.
   sampled after every ATen op through a ``TorchDispatchMode``; it sees every tensor that is alive between two ops
   (outputs, saved-for-backward tensors), not the scratch buffers inside one op, and it slows the run down — so CPU
   memory is measured in a run of its own, never in a timed one.
-* :class:`KernelRecorder` — an observer of the fused path's kernel dispatcher (:func:`fused.plan.observe_kernels`)
-  that records calls, time and (optionally) each call's peak memory per stage and provider. Only outermost calls
-  are timed, so a kernel call made inside another is not counted twice.
+* :class:`KernelRecorder` — an observer of an implementation's kernel calls (its ``observe_kernels`` hook; by
+  default the fused path's dispatcher, :func:`fused.plan.observe_kernels`) that records calls, time and
+  (optionally) each call's peak memory per stage and provider. Only outermost calls are timed, so a kernel call
+  made inside another is not counted twice.
 * :class:`Budget` — a wall-clock deadline with per-section shares, so that a bench in one device call ends in time.
 """
 
@@ -277,7 +278,7 @@ def free_memory(device: str, *, collect: bool = False) -> None:
         torch.cuda.empty_cache()
 
 
-# ---- per-kernel timing of the fused providers -------------------------------------------------------------------------
+# ---- per-kernel timing of an implementation's kernel calls -------------------------------------------------------------------------
 @dataclass
 class KernelStat:
     """One kernel stage under one provider: calls, total seconds, largest per-call peak memory (bytes)."""
@@ -296,17 +297,21 @@ class KernelStat:
 
 
 class KernelRecorder:
-    """Record every kernel-stage call of the fused path (see the module docstring).
+    """Record every kernel-stage call of an implementation (see the module docstring).
 
     ``with KernelRecorder(device) as rec: ...`` — then ``rec.flush()`` (synchronises and reads the CUDA events),
     ``rec.stats`` ``{(stage, provider): KernelStat}`` and ``rec.total_seconds`` (outermost calls only).
     ``meter``: a running :class:`MemoryMeter`; each call then gets a memory window (slower: use in a memory run).
-    Attached at the dispatcher's observation point (:func:`fused.plan.observe_kernels`); no provider is touched.
+    Attached at the implementation's observation point: ``observe_kernels(observer)``, a context manager within
+    which every kernel call runs inside ``observer(stage, provider)`` (default :func:`fused.plan.observe_kernels`;
+    ``--impl megatron``: production's kernel seam, reached through :mod:`parity.impls`); no provider is touched.
     """
 
-    def __init__(self, device: str, meter: Optional[MemoryMeter] = None):
+    def __init__(self, device: str, meter: Optional[MemoryMeter] = None,
+                 observe: Callable[[Callable[[str, str], Any]], Any] = observe_kernels):
         self.device = device
         self.meter = meter
+        self._observe = observe
         self.stats: dict[tuple[str, str], KernelStat] = {}
         self._pending: list[tuple[KernelStat, Stopwatch]] = []
         self._depth = 0
@@ -314,7 +319,7 @@ class KernelRecorder:
         self.enabled = True
 
     def __enter__(self) -> "KernelRecorder":
-        self._observing = observe_kernels(self.observe)
+        self._observing = self._observe(self.observe)
         self._observing.__enter__()
         return self
 
@@ -324,7 +329,7 @@ class KernelRecorder:
 
     @contextlib.contextmanager
     def observe(self, stage: str, provider: str):
-        """One kernel call (the observer :func:`fused.plan.observe_kernels` enters around it)."""
+        """One kernel call (the observer the ``observe_kernels`` hook enters around it)."""
         if not self.enabled or self._depth:
             yield
             return

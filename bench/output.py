@@ -48,6 +48,11 @@ def check_schema(report: Any) -> list[str]:
             need(row["time"], {"median_ms": (int, float, type(None)), "repeats": int}, f"e2e[{i}].time")
             if row.get("status") == "ok" and row["time"].get("median_ms") is None:
                 problems.append(f"e2e[{i}]: status ok without a time")
+    for i, row in enumerate(report.get("side_by_side", [])):  # absent from reports older than --impl
+        need(row, {"profile": str, "tokens": int, "scope": str, "impls": dict, "vs_first": dict}, f"side_by_side[{i}]")
+        for name, cell in (row.get("impls") or {}).items() if isinstance(row, dict) else ():
+            need(cell, {"status": str, "time_ms": (int, float, type(None)),
+                        "kernel_sum_ms": (int, float, type(None))}, f"side_by_side[{i}].impls.{name}")
     for i, row in enumerate(report["stages"]):
         need(row, {"profile": str, "tokens": int, "group": str, "fused": dict, "reference": dict}, f"stages[{i}]")
         for side in ("fused", "reference"):
@@ -104,6 +109,11 @@ def _tf(x: Optional[float]) -> str:
     return "—" if x is None else (f"{x:.3g}" if x >= 0.01 else f"{x:.2e}")
 
 
+def _side_ms(side: dict) -> str:
+    """A stage side's time, or its status where it has none."""
+    return _ms(side.get("time_ms")) if side.get("status") == "ok" else side.get("status", "—")
+
+
 def render_tables(report: dict, console=None) -> None:
     """The report as rich tables."""
     from rich.console import Console
@@ -118,13 +128,14 @@ def render_tables(report: dict, console=None) -> None:
     peak = report.get("peak_tflops")
     if report["e2e"]:
         t = Table(title="End to end: forward + backward (time = median; memory = peak above inputs)")
-        for col in ("profile", "T", "layout", "scope", "impl", "status", "ms", "TFLOP/s",
+        for col in ("profile", "T", "layout", "scope", "impl", "provider", "status", "ms", "TFLOP/s",
                     "% peak" if peak else "", "MiB", "kernels ms", "ratio"):
             if col:
-                t.add_column(col, justify="right" if col not in ("profile", "layout", "scope", "impl", "status")
-                             else "left")
+                t.add_column(col, justify="right" if col not in ("profile", "layout", "scope", "impl", "provider",
+                                                                 "status") else "left")
         for r in report["e2e"]:
-            cells = [r["profile"], str(r["tokens"]), r["layout"], r["scope"], r["impl"], r["status"],
+            cells = [r["profile"], str(r["tokens"]), r["layout"], r["scope"], r["impl"], str(r.get("provider")),
+                     r["status"],
                      _ms(r["time"]["median_ms"]), _tf(r["tflops"])]
             if peak:
                 cells.append("—" if r["peak_fraction"] is None else f"{100 * r['peak_fraction']:.1f}")
@@ -132,19 +143,23 @@ def render_tables(report: dict, console=None) -> None:
                       "—" if not r.get("composition_ratio") else f"{r['composition_ratio']:.2f}"]
             t.add_row(*cells)
         console.print(t)
+    impls = report["settings"].get("impls") or ["fused"]
+    if report.get("side_by_side") and impls != ["fused"]:
+        _side_by_side_table(console, report["side_by_side"], impls)
     if report["stages"]:
-        t = Table(title="Stages: fused kernels (in the core-scope run) vs the reference stage alone")
+        others = [n for n in impls if n != "fused"]
+        t = Table(title="Stages: fused kernels (in the core-scope run) vs the reference stage alone"
+                        + (f"; {', '.join(others)}: its kernels in its core-scope run" if others else ""))
         for col in ("profile", "T", "stage", "fused ms", "fused TFLOP/s", "fused MiB", "ref ms", "ref TFLOP/s",
-                    "ref MiB", "ref/fused"):
+                    "ref MiB", "ref/fused", *(f"{n} ms" for n in others)):
             t.add_column(col, justify="left" if col in ("profile", "stage") else "right")
         for r in report["stages"]:
             f, g = r["fused"], r["reference"]
-            t.add_row(r["profile"], str(r["tokens"]), r["group"],
-                      _ms(f.get("time_ms")) if f.get("status") == "ok" else f.get("status", "—"),
-                      _tf(f.get("tflops")), _mib(f.get("peak_mem_bytes")),
-                      _ms(g.get("time_ms")) if g.get("status") == "ok" else g.get("status", "—"),
+            sides = [(r.get("impls") or {}).get(n, {}) for n in others]
+            t.add_row(r["profile"], str(r["tokens"]), r["group"], _side_ms(f),
+                      _tf(f.get("tflops")), _mib(f.get("peak_mem_bytes")), _side_ms(g),
                       _tf(g.get("tflops")), _mib(g.get("peak_mem_bytes")),
-                      "—" if not r.get("speedup") else f"{r['speedup']:.2f}")
+                      "—" if not r.get("speedup") else f"{r['speedup']:.2f}", *(_side_ms(x) for x in sides))
         console.print(t)
     for r in report.get("breakdown", []):
         if r.get("status") != "ok":
@@ -202,6 +217,22 @@ def render_tables(report: dict, console=None) -> None:
         console.print(f"[bold red]finding[/] {f['function'] or ''} {f['where'] or ''}: {f['message']}")
     if report["skipped"]:
         console.print(f"skipped: {len(report['skipped'])} item(s) (see the JSON)")
+
+
+def _side_by_side_table(console, rows: list, impls: list) -> None:
+    """The ``side_by_side`` rows (:mod:`bench.side_by_side`): per implementation fwd+bwd ms, kernel sum, ratio."""
+    from rich.table import Table
+
+    from bench.side_by_side import cells, header, reasons
+
+    t = Table(title="Implementations side by side: forward + backward / the sum of its observed kernels")
+    for col in header(impls):
+        t.add_column(col, justify="left" if col in ("profile", "layout", "scope") else "right")
+    for r in rows:
+        t.add_row(*cells(r, impls))
+    console.print(t)
+    for what, why in reasons(rows).items():
+        console.print(f"{what}: {why}")
 
 
 def write_plot(report: dict, path: Path) -> Optional[Path]:

@@ -11,7 +11,9 @@ from pathlib import Path
 import bench.core as bench_core
 from bench.core import OPT_IN_SECTIONS, SECTIONS, resolve_settings, run_bench
 from bench.output import render_tables, write_plot
+from bench.side_by_side import markdown
 from bench.workloads import LAYOUTS, LOSSES
+from cli.options import PROVIDERS, add_megatron_argument
 from parity.runner import DEFAULT_OUT_ROOT
 
 def default_json_path() -> Path:
@@ -29,16 +31,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     path = Path(args.json) if args.json else default_json_path()
     path.parent.mkdir(parents=True, exist_ok=True)
 
+    md = path.with_suffix(".md")
+    md.unlink(missing_ok=True)  # an earlier run's table must not pass for this one's
+
     def save(doc: dict) -> None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(path)
+        """The JSON (and the side-by-side markdown), rewritten whole after every e2e row and every section."""
+        for target, text in ((path, json.dumps(doc, indent=1) + "\n"),
+                             (md, markdown(doc["side_by_side"], settings.impls,
+                                           doc["env"].get("gpu") or doc["machine"].get("processor") or "")
+                              if doc.get("side_by_side") else None)):
+            if text is not None:
+                tmp = target.with_suffix(target.suffix + ".tmp")
+                tmp.write_text(text)
+                tmp.replace(target)
 
     report = run_bench(settings, ["dsv4-parity", *getattr(args, "argv", sys.argv[1:])], log, checkpoint=save)
     save(report)
     png = None if args.no_plot else write_plot(report, Path(args.plot) if args.plot else path.with_suffix(".png"))
     render_tables(report)
-    print(f"json: {path}" + (f"\nplot: {png}" if png else ""))
+    print(f"json: {path}" + (f"\nplot: {png}" if png else "") + (f"\nmarkdown: {md}" if md.exists() else ""))
     return 0
 
 
@@ -49,6 +60,20 @@ examples:
   dsv4-parity bench --profile kernel,flash,pro --tokens 4K,8K,16K,32K,64K --json $OUT/bench.json   # one H200
   dsv4-parity bench --sections harness --harness-suite smoke --harness-limit 0   # the whole smoke suite
   dsv4-parity bench --sections gate --json $OUT/gate.json   # one H200: the gate suite cold, then warm
+  dsv4-parity bench --sections e2e --impl megatron --provider emulated --profile tiny --tokens 256 --no-reference
+                                                      # CPU: production's fused path over the torch stand-ins
+  dsv4-parity bench --sections e2e --impl fused,megatron --profile kernel,pro --tokens 4K,16K,32K \\
+      --scope layer,core --provider cudnn --no-reference --budget-s 180 --json $OUT/bench-megatron.json --no-plot
+                                                      # one H200: production beside fused, each vs its kernel sum
+
+--impl a,b measures each implementation's forward + backward in the e2e section (the reference beside them unless
+--no-reference) and, where it offers an observe_kernels hook (fused, megatron), the sum of its kernel calls and the
+ratio; the side-by-side table is also written as markdown next to the JSON (<json>.md). --provider maps per
+implementation: fused takes it as is (auto: the best per stage); megatron: cudnn = the real kernels, emulated /
+unfused as named, auto = cudnn where its kernels run, else unfused; or name one per implementation
+(--provider fused=torch,megatron=emulated). A provider an implementation lacks or cannot run here makes its rows
+unsupported (with the reason); megatron's unfused provider runs no kernel call (kernel sum none, the row's
+kernels_note says so).
 
 Numbers are reported, never asserted (exit 0 unless the options are wrong). Everything that does not fit the
 --budget-s deadline, exceeds --ref-max-tokens or runs out of memory is listed as skipped / oom in the JSON.
@@ -58,7 +83,7 @@ Numbers are reported, never asserted (exit 0 unless the options are wrong). Ever
 def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     """Register ``bench`` on the ``dsv4-parity`` subparsers."""
     p = subparsers.add_parser(
-        "bench", help="benchmark the fused path, the reference and the harness (reported, never asserted)",
+        "bench", help="benchmark the fused path (or --impl), the reference and the harness (reported, never asserted)",
         description=bench_core.__doc__.split("\n\n")[0] + "\n\n" + "Sections: e2e, stages, breakdown, scaling, harness, gate "
         "(see the module docstring of bench/core.py for what each measures).", epilog=BENCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,9 +99,17 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     p.add_argument("--scope", help="core and/or layer, comma-separated (default core,layer)")
     p.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS + OPT_IN_SECTIONS)} (default all but "
                                        f"{','.join(OPT_IN_SECTIONS)})")
-    p.add_argument("--provider", default="auto", choices=("auto", "torch", "cudnn", "flashmla"),
-                   help="fused kernel provider (default auto: the best per stage)")
+    p.add_argument("--impl", default="fused",
+                   help="implementations measured in e2e, comma-separated: fused, megatron or module[:attr] "
+                        "(default fused); the reference runs beside them")
+    p.add_argument("--no-reference", action="store_true",
+                   help="e2e without the reference (and no 32K Pro-pack probe of it)")
+    p.add_argument("--provider", default="auto",
+                   help=f"kernel provider (default auto), one of {','.join(PROVIDERS)} for every implementation or "
+                        "per implementation (fused=torch,megatron=emulated): fused's auto/torch/cudnn/flashmla; "
+                        "megatron's unfused/emulated/cudnn, auto = cudnn where its kernels run, else unfused")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    add_megatron_argument(p)
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per measurement (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats, at most (default 3)")
     p.add_argument("--target-s", type=float, default=1.0,

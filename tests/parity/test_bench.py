@@ -288,14 +288,18 @@ def test_cuda_timing_uses_events(monkeypatch):
     assert fake.events == 6  # negative control: the CPU clock records no event
 
 
-def test_the_json_is_checkpointed_after_every_section(tmp_path):
-    """A bench killed mid-way keeps what it measured: the JSON is rewritten (``partial``) after each section."""
+def test_the_json_is_checkpointed_after_every_row_and_section(tmp_path):
+    """A bench killed mid-way keeps what it measured: the JSON is rewritten (``partial``) after every e2e row and
+    after each section."""
     seen = []
     args = bench.resolve_settings(_parsed(SMALL + ["--sections", "e2e,harness", "--json", str(tmp_path / "b.json")]))
     final = bench.run_bench(args, checkpoint=lambda doc: seen.append(copy.deepcopy(doc)))
-    assert [d["sections_done"] for d in seen] == [["e2e"], ["e2e", "harness"]]
+    rows = len(final["e2e"])  # 2 tokens x 2 scopes x (fused, reference)
+    assert rows == 8 and [len(d["e2e"]) for d in seen[:rows]] == list(range(1, rows + 1))
+    assert all("sections_done" not in d for d in seen[:rows])  # mid-section: rows, no section done yet
+    assert [d["sections_done"] for d in seen[rows:]] == [["e2e"], ["e2e", "harness"]]
     assert all(d["partial"] is True for d in seen) and "partial" not in final
-    assert seen[0]["e2e"] and not seen[0]["harness"] and seen[1]["harness"]
+    assert seen[rows]["e2e"] and not seen[rows]["harness"] and seen[-1]["harness"]
 
 
 def _parsed(argv):
