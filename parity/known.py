@@ -23,7 +23,8 @@ Entry fields::
     architectures ["cpu", "sm90", "sm100", ...] or ["*"]
     revisions     substrings of the implementation's revision (``describe()["revision"]``) or ["*"]
     match         {feature: value | [values]} over cases.coverage.features(case) plus the derived features
-                  ``compressed_rows`` ("none" | "some") and ``padding_rows`` (bool: alignment padding or a dummy tail)
+                  ``compressed_rows`` ("none" | "some"), ``padding_rows`` (bool: alignment padding or a dummy tail) and
+                  ``kl_support`` ("trivial" | "some": whether some real row sees two compressed keys)
     expect        {"error": regex} for a crash, or {"tensors": [fnmatch patterns]} for failing tensors
     cases         (optional) ids of suite cases that reproduce the entry (its test)
 """
@@ -65,7 +66,9 @@ def validate(entries, source: str) -> list[dict]:
 
 
 def case_features(case: Case) -> dict:
-    """Coverage features plus the derived ``compressed_rows`` and ``padding_rows``."""
+    """Coverage features plus the derived ``compressed_rows``, ``padding_rows`` and ``kl_support`` (``trivial`` when no
+    real query row sees two compressed keys: the indexer KL over them is identically 0, so a deviation of the loss or
+    its gradient cannot show)."""
     feats = dict(features(case))
     r = case.config.compress_ratio
     layout = case.layout
@@ -76,6 +79,8 @@ def case_features(case: Case) -> dict:
         lengths = [pad[i + 1] - pad[i] for i in range(len(pad) - 1)]
     feats["compressed_rows"] = "some" if r > 1 and any(n >= r for n in lengths) else "none"
     feats["padding_rows"] = bool(feats.get("alignment_padding") or feats.get("dummy_tail"))
+    real = [layout.seq_len] if layout.kind == "bshd" else list(layout.real_lengths)
+    feats["kl_support"] = "some" if r > 1 and any(n >= 2 * r for n in real) else "trivial"
     return feats
 
 

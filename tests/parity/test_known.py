@@ -103,3 +103,14 @@ def test_known_counts_and_junit(tmp_path):
     skipped = suite.find("testcase/skipped")
     assert suite.get("skipped") == "1" and suite.get("failures") == "0"
     assert skipped is not None and skipped.get("message") == "known deviation: e1"
+
+
+def test_kl_support_is_trivial_when_no_real_row_sees_two_compressed_keys():
+    """Segments of fewer than 2r real tokens give every real row at most one compressed key: the indexer KL is
+    identically 0 there, so loss deviations cannot show (``kl_support`` lets an entry say it needs support)."""
+    cases = {c.id: c for c in load_suite("smoke")}
+    trivial = known.case_features(cases["bcf15df26658"])  # THD segments of 7 real tokens, r = 4
+    assert trivial["compressed_rows"] == "some" and trivial["kl_support"] == "trivial"
+    assert known.case_features(cases["17768d41d2ee"])["kl_support"] == "some"  # a 16-token segment
+    r0 = next(c for c in cases.values() if c.config.compress_ratio == 0)
+    assert known.case_features(r0)["kl_support"] == "trivial"
