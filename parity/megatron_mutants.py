@@ -104,7 +104,7 @@ MUTANTS: tuple[Mutant, ...] = (
                    "                max_seqlen=rope_max_seqlen_kv,",
            "                mla_rotary_interleaved=True,\n                inverse=False,\n"
            "                mla_output_remove_interleaving=True,\n                max_seqlen=rope_max_seqlen_kv,",
-           ("unfused", "emulated"), ("c63c8c6d34a6", "8f5a75c53c73"), gpu_cases=("4e8096781837",)),
+           ("unfused", "emulated"), ("c63c8c6d34a6", "8f5a75c53c73"), gpu_cases=("c33c7d368b89",)),
     Mutant("compressor_real_offsets", "THD compressor: segment boundaries from the real instead of the padded "
            "cu_seqlens", CSA,
            "            cu_seqlens = (\n                packed_seq_params.cu_seqlens_q_padded\n",

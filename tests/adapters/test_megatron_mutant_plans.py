@@ -116,22 +116,48 @@ def test_the_summary_counts_unreachable_mutants_apart_and_fails_on_a_survivor():
 @needs_megatron
 @pytest.mark.slow
 def test_the_sm90_preview_kills_a_seed_mutant_and_not_a_no_op(monkeypatch):
-    """The cudnn plan with the emulated provider declaring (9, 0): a seed mutant killed on its gate case, the
+    """The cudnn plan with the emulated provider declaring (9, 0): a seed mutant killed on its gate case (about
+    2 x 60 s on a CPU, hence slow), the
     dense-loss seed reported not reachable (refused on the clean tree), and a no-op patch not killed (negative
     control: the kill comes from the patch, not from the plan)."""
     from adapters.megatron import source
 
-    seed, dense = _mutant("invalid_comp_rows_by_count"), _mutant("thd_dense_bwd_no_max_seqlen")
+    seed, dense = _mutant("fake_bshd_view_over_batch"), _mutant("thd_dense_bwd_no_max_seqlen")
     no_op = mm.Mutant("no_op", "a patch that changes nothing", seed.path, seed.old, seed.old, seed.providers,
                       seed.cases, gpu_cases=SMALLEST_PASSING)
     monkeypatch.setattr(mm, "MUTANTS", (seed, dense, no_op))
     lines = []
     outcomes = {o.name: o for o in mm.run_suite(source.locate().root, echo=lines.append,
                                                  plan=mm.preview_plan((9, 0)))}
-    assert outcomes["invalid_comp_rows_by_count"].status == "killed", "\n".join(lines)
+    assert outcomes["fake_bshd_view_over_batch"].status == "killed", "\n".join(lines)
     assert outcomes["thd_dense_bwd_no_max_seqlen"].status == "not reachable", "\n".join(lines)
     assert outcomes["no_op"].status == "survived", "\n".join(lines)
 
 
 #: a gate-cpu case that passes on the clean tree in well under a second once Megatron is imported
 SMALLEST_PASSING = ("3bf049a88f0f",)
+
+
+# ---- the command line -----------------------------------------------------------------------------------------
+@needs_megatron
+def test_the_cudnn_plan_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
+    from adapters.megatron import real_kernels
+    from cli.main import main
+
+    monkeypatch.setattr(real_kernels, "unavailable_reason", lambda: "no CUDA device here")
+    assert main(["mutants", "--impl", "megatron", "--provider", "cudnn"]) == 2
+    assert "--provider cudnn: no CUDA device here" in capsys.readouterr().err
+
+
+@needs_megatron
+def test_the_list_shows_each_fused_mutant_s_gate_cases_or_why_unreachable(capsys):
+    from cli.main import main
+
+    assert main(["mutants", "--impl", "megatron", "--provider", "emulated", "--list"]) == 0
+    out = capsys.readouterr().out
+    for m in mm.MUTANTS:
+        assert m.name in out
+    assert "emulated (sm90): gate cases eb6b0817dc4e" in out
+    assert "emulated (sm90): not reachable: production's config validation refuses" in out
+    assert main(["mutants", "--impl", "megatron", "--list"]) == 0
+    assert "gate cases" not in capsys.readouterr().out  # the CPU plan's listing is unchanged
