@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+
+from adapters.megatron import emulated, real_kernels
 from adapters.megatron.source import MegatronSourceError, locate
 from cases.suites import load_suite
 from parity.engine import RunOptions, configure_torch, run_case
@@ -149,9 +152,7 @@ def _child(tree: str, jobs: list, plan: dict) -> list:
     plan) is the device capability the emulated provider declares."""
     os.environ["DSV4_MEGATRON"] = tree
     configure_torch()
-    if plan.get("stand_in_capability"):
-        from adapters.megatron import emulated  # noqa: PLC0415 — only the CPU preview of a GPU plan sets it
-
+    if plan.get("stand_in_capability"):  # the CPU preview of a GPU plan
         emulated.DEVICE_CAPABILITY = tuple(plan["stand_in_capability"])
     cases = {c.id: c for c in load_suite(plan["suite"])}
     impl, ref = load("megatron"), load("reference")
@@ -324,9 +325,6 @@ def plan_of(args: argparse.Namespace) -> Plan:
     if provider in ("torch", "auto"):
         return CPU_PLAN
     if provider == "cudnn":
-        from adapters.megatron import real_kernels  # noqa: PLC0415 — imports torch.cuda only for this plan
-        import torch  # noqa: PLC0415
-
         why = real_kernels.unavailable_reason()
         if why is not None:
             raise ValueError(f"--provider cudnn: {why}")
