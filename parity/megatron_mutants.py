@@ -94,7 +94,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "true count instead of the capacity: onto valid kv_full rows",
            CSA, "dst_comp = torch.where(valid_comp, dst_comp, total_kv + src_comp)",
            "dst_comp = torch.where(valid_comp, dst_comp, total_kv + src_comp - cu_seqlens_compressed[-1])",
-           ("unfused", "emulated"), ("6cd75c50f538", "03836235949d"), gpu_cases=("167464554f5a",)),
+           ("unfused", "emulated"), ("6cd75c50f538", "03836235949d"), gpu_cases=("1fa00ee68a39",)),
     # ---- production's PyTorch path -----------------------------------------------------------------------------
     Mutant("sink_dropped_unfused", "unfused sparse attention: the sink left out of the softmax denominator",
            CSA, "attn_weights = exp_scores / (exp_scores.sum(dim=-1, keepdim=True) + exp_sink)",
