@@ -131,7 +131,7 @@ def test_the_sm90_preview_kills_a_seed_mutant_and_not_a_no_op(monkeypatch):
 
     seed, dense = _mutant("fake_bshd_view_over_batch"), _mutant("thd_dense_bwd_no_max_seqlen")
     no_op = mm.Mutant("no_op", "a patch that changes nothing", seed.path, seed.old, seed.old, seed.providers,
-                      seed.cases, gpu_cases=SMALLEST_PASSING)
+                      seed.cases, nth=seed.nth, gpu_cases=SMALLEST_PASSING)
     monkeypatch.setattr(mm, "MUTANTS", (seed, dense, no_op))
     lines = []
     outcomes = {o.name: o for o in mm.run_suite(source.locate().root, echo=lines.append,
