@@ -76,7 +76,12 @@ def add_parsers(sub) -> dict:
     p.add_argument("--list", action="store_true", help="list the mutants and their reach cells, and exit")
     p.add_argument("--keep-going", action="store_true",
                    help="run every reaching case per mutant, not only up to the first kill (fuller kill matrix)")
-    p.add_argument("--provider", default="torch", choices=PROVIDERS, help="fused kernel provider (default torch)")
+    p.add_argument("--provider", default="torch", choices=PROVIDERS,
+                   help="fused kernel provider (default torch); --impl megatron: cudnn runs the fused path's mutants "
+                        "on the real kernels (gate cases, CUDA), emulated previews that plan on a CPU")
+    p.add_argument("--capability", metavar="MAJOR.MINOR",
+                   help="--impl megatron --provider emulated: the GPU capability the preview declares (default 9.0, "
+                        "the H200; 10.0 for sm100)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run")
     p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
     p.add_argument("--out", default=str(DEFAULT_OUT),

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+
+from adapters.megatron import emulated, real_kernels
 from adapters.megatron.source import MegatronSourceError, locate
 from cases.suites import load_suite
 from parity.engine import RunOptions, configure_torch, run_case
@@ -36,12 +39,20 @@ VARIANT = "megatron/core/transformer/experimental_attention_variant"
 FUSED = f"{VARIANT}/csa_utils/fused_sparse_attention.py"
 CSA = f"{VARIANT}/csa.py"
 HYBRID = f"{VARIANT}/deepseek_v4_hybrid_attention.py"
+#: the provider that runs production's fused path on a CPU; a mutant it executes also runs on the real kernels
+FUSED_PATH = "emulated"
 
 
 @dataclass(frozen=True)
 class Mutant:
     """One planted bug: replace ``old`` (which must occur exactly once, or pick occurrence ``nth``) by ``new`` in
-    ``path``; killed by some case of ``cases`` on one of ``providers``."""
+    ``path``; on a CPU, killed by some case of ``cases`` (smoke ids) on each of ``providers``.
+
+    A mutant of the fused path (``emulated`` among ``providers``) also runs on the real kernels (``cudnn``): then
+    ``gpu_cases`` (``gate`` ids, small enough for a CPU to check them with the emulated provider declaring
+    the GPU's capability) kill it. ``unreachable`` = ``((sm major, why), ...)``: architectures where production never
+    runs the mutated code (its config validation refuses every case that would), reported ``not reachable``.
+    ``no_gate_case``: why a fused-path mutant has no ``gpu_cases`` (reported ``no gate case``: not killed)."""
 
     name: str
     description: str
@@ -51,7 +62,20 @@ class Mutant:
     providers: tuple[str, ...]
     cases: tuple[str, ...]
     nth: Optional[int] = None
+    gpu_cases: tuple[str, ...] = ()
+    unreachable: tuple[tuple[int, str], ...] = ()
+    no_gate_case: str = ""
 
+
+#: why the THD dense-loss backward never runs on an sm90 GPU: its only caller is Path B with the dense indexer loss
+SM90_DENSE_LOSS = ("production's config validation refuses the r = 4 dense indexer loss with "
+                   "dsa_kernel_backend='cudnn' on SM90 (transformer_config.py), the only way into this backward")
+
+#: why the THD compressor's offsets have no gate case: the small gate cases with a real segment after a padded one
+#: (the only ones where real and padded offsets differ for real rows) are not clean on production's fused path
+NO_CLEAN_SHIFTED_SEGMENT = ("the small gate cases with a real segment after a padded one (7971c6fed744, 6f068643940f) "
+                            "fail on the clean tree (production's padding-row gradient contract), so none can kill "
+                            "it; the CPU plan kills it on smoke cases")
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---- the seed's three review bugs, in the fused THD code -----------------------------------------------------
@@ -59,18 +83,18 @@ MUTANTS: tuple[Mutant, ...] = (
            FUSED,
            "                        max_seqlen_q=int(max_seqlen_q),\n"
            "                        max_seqlen_k=int(max_seqlen_compressed_idx),\n",
-           "", ("emulated",), ("4094c96fb157",)),
+           "", ("emulated",), ("4094c96fb157",), gpu_cases=("b5e73394500d",), unreachable=((9, SM90_DENSE_LOSS),)),
     Mutant("fake_bshd_view_over_batch", "fused sparse-loss indexer gradient: a .view over the leading (batch) "
            "dimension instead of the permute (right only for one sequence)",
            FUSED, 'precomputed_grad_q_indexer = ig["d_index_q"].permute(1, 0, 2, 3).contiguous()',
            'precomputed_grad_q_indexer = ig["d_index_q"].view(ig["d_index_q"].shape[1], '
            'ig["d_index_q"].shape[0], *ig["d_index_q"].shape[2:])',
-           ("emulated",), ("9a8dbea368d1", "2eb1db7b4212"), nth=0),
+           ("emulated",), ("9a8dbea368d1", "2eb1db7b4212"), nth=0, gpu_cases=("eb6b0817dc4e",)),
     Mutant("invalid_comp_rows_by_count", "cat_per_segment routes invalid (capacity-padding) compressed rows by the "
            "true count instead of the capacity: onto valid kv_full rows",
            CSA, "dst_comp = torch.where(valid_comp, dst_comp, total_kv + src_comp)",
            "dst_comp = torch.where(valid_comp, dst_comp, total_kv + src_comp - cu_seqlens_compressed[-1])",
-           ("unfused", "emulated"), ("6cd75c50f538", "03836235949d")),
+           ("unfused", "emulated"), ("6cd75c50f538", "03836235949d"), gpu_cases=("1fa00ee68a39",)),
     # ---- production's PyTorch path -----------------------------------------------------------------------------
     Mutant("sink_dropped_unfused", "unfused sparse attention: the sink left out of the softmax denominator",
            CSA, "attn_weights = exp_scores / (exp_scores.sum(dim=-1, keepdim=True) + exp_sink)",
@@ -84,23 +108,23 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("window_excludes_self", "sliding window (BSHD) drops the query's own position",
            CSA, "matrix = torch.where(matrix > base, -1, matrix)",
            "matrix = torch.where(matrix >= base, -1, matrix)",
-           ("unfused", "emulated"), ("8f5a75c53c73", "c63c8c6d34a6")),
+           ("unfused", "emulated"), ("8f5a75c53c73", "c63c8c6d34a6"), gpu_cases=("b829be0130b6",)),
     Mutant("output_inverse_rope_dropped", "layer output: the inverse RoPE applied forward (inverse=False)",
            HYBRID, "                mla_rotary_interleaved=True,\n                inverse=True,\n"
                    "                mla_output_remove_interleaving=True,\n"
                    "                max_seqlen=rope_max_seqlen_kv,",
            "                mla_rotary_interleaved=True,\n                inverse=False,\n"
            "                mla_output_remove_interleaving=True,\n                max_seqlen=rope_max_seqlen_kv,",
-           ("unfused", "emulated"), ("c63c8c6d34a6", "8f5a75c53c73")),
+           ("unfused", "emulated"), ("c63c8c6d34a6", "8f5a75c53c73"), gpu_cases=("c33c7d368b89",)),
     Mutant("compressor_real_offsets", "THD compressor: segment boundaries from the real instead of the padded "
            "cu_seqlens", CSA,
            "            cu_seqlens = (\n                packed_seq_params.cu_seqlens_q_padded\n",
            "            cu_seqlens = (\n                packed_seq_params.cu_seqlens_q\n",
-           ("unfused", "emulated"), ("ab101a5d94c2", "f2ceea9c0311")),
+           ("unfused", "emulated"), ("ab101a5d94c2", "f2ceea9c0311"), no_gate_case=NO_CLEAN_SHIFTED_SEGMENT),
     Mutant("fused_loss_coeff_ignored", "fused Path B: the indexer-loss coefficient read as 1",
            CSA, "indexer_loss_coeff = self.config.dsa_indexer_loss_coeff or 0.0",
            "indexer_loss_coeff = 1.0", ("emulated",),
-           ("9a8dbea368d1", "45aaf0ad85c7"), nth=0),
+           ("9a8dbea368d1", "45aaf0ad85c7"), nth=0, gpu_cases=("8d3fa957d2e2",)),
 )
 
 
@@ -130,25 +154,30 @@ def scratch_copy(root: Path, into: Path) -> Path:
 
 
 # ---- child process: run cases on one tree ---------------------------------------------------------------------
-def _child(tree: str, jobs: list) -> list:
-    """``[{case_id, provider, outcome, message}]`` for ``jobs`` = ``[(provider, case_id), ...]`` on ``tree``."""
+def _child(tree: str, jobs: list, plan: dict) -> list:
+    """``[{case_id, provider, outcome, message}]`` for ``jobs`` = ``[(provider, case_id), ...]`` on ``tree``: the
+    cases of ``plan["suite"]`` on ``plan["device"]``; ``plan["stand_in_capability"]`` (the CPU preview of a GPU
+    plan) is the device capability the emulated provider declares."""
     os.environ["DSV4_MEGATRON"] = tree
     configure_torch()
-    cases = {c.id: c for c in load_suite("smoke")}
+    if plan.get("stand_in_capability"):  # the CPU preview of a GPU plan
+        emulated.DEVICE_CAPABILITY = tuple(plan["stand_in_capability"])
+    cases = {c.id: c for c in load_suite(plan["suite"])}
     impl, ref = load("megatron"), load("reference")
     out = []
     for provider, case_id in jobs:
-        r = run_case(cases[case_id], impl, ref, RunOptions(impl="megatron", provider=provider, device="cpu"))
+        r = run_case(cases[case_id], impl, ref, RunOptions(impl="megatron", provider=provider, device=plan["device"]))
         out.append({"case_id": case_id, "provider": provider, "outcome": r.outcome, "message": r.message[:300]})
     return out
 
 
-def run_child(tree: Path, jobs: list, timeout: float = 900.0) -> list:
+def run_child(tree: Path, jobs: list, plan: Optional[dict] = None, timeout: float = 900.0) -> list:
+    plan = plan or {"suite": "smoke", "device": "cpu"}
     env = dict(os.environ, DSV4_MEGATRON=str(tree), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "parity.megatron_mutants", "--child", str(tree), json.dumps(jobs)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
+    proc = subprocess.run([sys.executable, "-m", "parity.megatron_mutants", "--child", str(tree), json.dumps(jobs),
+                           json.dumps(plan)], capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -156,11 +185,65 @@ def run_child(tree: Path, jobs: list, timeout: float = 900.0) -> list:
     return json.loads(lines[-1])
 
 
+# ---- plans: which cases, where, on which providers --------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Where the mutants run. The CPU plan (default): each mutant's ``cases`` (smoke) on each of its ``providers``.
+    A GPU plan: each mutant the fused path executes (``emulated`` among its providers), on its ``gpu_cases`` (gate)
+    with the one ``provider`` (``cudnn``: the real kernels), judged at ``capability`` (what production refuses
+    there makes a mutant :attr:`Mutant.unreachable`). ``stand_in`` previews a GPU plan on a CPU: the ``emulated``
+    provider declaring ``capability`` in place of the real kernels."""
+
+    suite: str = "smoke"
+    device: str = "cpu"
+    provider: Optional[str] = None
+    capability: Optional[tuple[int, int]] = None
+    stand_in: bool = False
+
+    @property
+    def arch(self) -> str:
+        return f"sm{self.capability[0]}{self.capability[1]}" if self.capability else "cpu"
+
+    def covers(self, mutant: Mutant) -> bool:
+        return self.provider is None or FUSED_PATH in mutant.providers
+
+    def providers(self, mutant: Mutant) -> tuple[str, ...]:
+        return mutant.providers if self.provider is None else (self.provider,)
+
+    def jobs(self, mutant: Mutant) -> list:
+        cases = mutant.cases if self.provider is None else mutant.gpu_cases
+        return [(p, c) for p in self.providers(mutant) for c in cases]
+
+    def unreachable(self, mutant: Mutant) -> Optional[str]:
+        """Why production never runs ``mutant``'s code at this plan's capability (None: it does)."""
+        if self.provider is None or self.capability is None:
+            return None
+        return dict(mutant.unreachable).get(self.capability[0])
+
+    def child(self) -> dict:
+        return {"suite": self.suite, "device": self.device,
+                "stand_in_capability": list(self.capability) if self.stand_in else None}
+
+
+CPU_PLAN = Plan()
+
+
+def gpu_plan(capability: tuple[int, int]) -> Plan:
+    """The real kernels (``cudnn``) on the CUDA device of ``capability``, on the mutants' gate cases."""
+    return Plan("gate", "cuda", "cudnn", tuple(capability))
+
+
+def preview_plan(capability: tuple[int, int] = (9, 0)) -> Plan:
+    """The GPU plan for ``capability`` on a CPU: the same gate cases (``--device cpu``) on the ``emulated``
+    provider declaring that capability (production's config refusals and top-k alignment follow it)."""
+    return Plan("gate", "cpu", "emulated", tuple(capability), stand_in=True)
+
+
 # ---- the suite --------------------------------------------------------------------------------------------------
 @dataclass
 class Outcome:
     name: str
-    status: str  # killed / survived / not applied / no clean case
+    status: str  # killed / survived / not applied / no clean case / no gate case / not reachable / reachable after all
     case_id: Optional[str] = None
     provider: Optional[str] = None
     message: str = ""
@@ -168,21 +251,34 @@ class Outcome:
 
 
 def jobs_of(mutant: Mutant) -> list:
-    return [(p, c) for p in mutant.providers for c in mutant.cases]
+    return CPU_PLAN.jobs(mutant)
 
 
-def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=print) -> list[Outcome]:
-    """The clean tree once, then every mutant (in its own scratch copy and process)."""
-    chosen = [m for m in MUTANTS if not names or m.name in names]
+def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=print,
+              plan: Plan = CPU_PLAN) -> list[Outcome]:
+    """The clean tree once, then every mutant of ``plan`` (in its own scratch copy and process). A mutant declared
+    unreachable at the plan's capability is not patched: its cases must be ``unsupported`` on the clean tree
+    (``not reachable``), else the declaration is wrong (``reachable after all``)."""
+    chosen = [m for m in MUTANTS if (not names or m.name in names) and plan.covers(m)]
     with tempfile.TemporaryDirectory(prefix="dsv4-megatron-mutants-") as tmp:
-        clean_jobs = sorted({job for m in chosen for job in jobs_of(m)})
-        clean = {(r["provider"], r["case_id"]): r for r in run_child(source_root, clean_jobs)}
+        clean_jobs = sorted({job for m in chosen for job in plan.jobs(m)})
+        clean = {(r["provider"], r["case_id"]): r
+                 for r in (run_child(source_root, clean_jobs, plan.child()) if clean_jobs else [])}
         not_clean = [f"{p}/{c}: {r['outcome']}" for (p, c), r in clean.items() if r["outcome"] != "pass"]
         echo(f"clean: {len(clean) - len(not_clean)}/{len(clean)} (provider, case) runs pass"
              + (f"; not clean (cannot kill): {', '.join(not_clean)}" if not_clean else ""))
         outcomes = []
         for mutant in chosen:
             start = time.perf_counter()
+            why = plan.unreachable(mutant)
+            if plan.provider is not None and not mutant.gpu_cases:
+                outcomes.append(Outcome(mutant.name, "no gate case", message=mutant.no_gate_case))
+                echo(describe(outcomes[-1]))
+                continue
+            if why is not None:
+                outcomes.append(_unreachable(mutant, why, [clean[job] for job in plan.jobs(mutant)], plan))
+                echo(describe(outcomes[-1]))
+                continue
             work = Path(tempfile.mkdtemp(prefix=f"{mutant.name}-", dir=tmp))
             tree = scratch_copy(source_root, work)
             try:
@@ -191,25 +287,40 @@ def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=pri
                 outcomes.append(Outcome(mutant.name, "not applied", message=str(exc)))
                 echo(describe(outcomes[-1]))
                 continue
-            jobs = [job for job in jobs_of(mutant) if clean[job]["outcome"] == "pass"]
+            jobs = [job for job in plan.jobs(mutant) if clean[job]["outcome"] == "pass"]
             if not jobs:
                 outcomes.append(Outcome(mutant.name, "no clean case"))
             else:
-                results = run_child(tree, jobs)
-                kills = {}
-                for r in results:
-                    if r["outcome"] in ("fail", "error"):
-                        kills.setdefault(r["provider"], r)
-                missed = [p for p in mutant.providers if p not in kills]
-                first = next(iter(kills.values()), None)
-                outcomes.append(Outcome(
-                    mutant.name, "survived" if missed else "killed",
-                    ", ".join(f"{r['case_id']} ({p})" for p, r in kills.items()) or None, ",".join(kills),
-                    (f"not killed on {', '.join(missed)} ({len(jobs)} runs)" if missed else first["message"])))
+                outcomes.append(_judge(mutant, plan.providers(mutant), jobs, run_child(tree, jobs, plan.child())))
             outcomes[-1].seconds = time.perf_counter() - start
             echo(describe(outcomes[-1]))
             shutil.rmtree(work, ignore_errors=True)
     return outcomes
+
+
+def _judge(mutant: Mutant, providers: Sequence[str], jobs: list, results: list) -> Outcome:
+    """Killed when, on every provider, some case that passes on the clean tree fails or errors."""
+    kills = {}
+    for r in results:
+        if r["outcome"] in ("fail", "error"):
+            kills.setdefault(r["provider"], r)
+    missed = [p for p in providers if p not in kills]
+    first = next(iter(kills.values()), None)
+    return Outcome(mutant.name, "survived" if missed else "killed",
+                   ", ".join(f"{r['case_id']} ({p})" for p, r in kills.items()) or None, ",".join(kills),
+                   f"not killed on {', '.join(missed)} ({len(jobs)} runs)" if missed else first["message"])
+
+
+def _unreachable(mutant: Mutant, why: str, clean: list, plan: Plan) -> Outcome:
+    """``not reachable`` when production refused every case of the mutant on the clean tree at this capability."""
+    ran = [r for r in clean if r["outcome"] != "unsupported"]
+    if ran or not clean:
+        shown = ", ".join(f"{r['case_id']}: {r['outcome']}" for r in ran) or "no case to confirm it"
+        return Outcome(mutant.name, "reachable after all",
+                       message=f"declared not reachable on {plan.arch} ({why}), but the clean tree ran it: {shown}; "
+                               "update Mutant.unreachable in parity/megatron_mutants.py")
+    return Outcome(mutant.name, "not reachable", ",".join(r["case_id"] for r in clean),
+                   message=f"on {plan.arch}: {why} (clean: {clean[0]['case_id']} unsupported)")
 
 
 def describe(o: Outcome) -> str:
@@ -219,33 +330,85 @@ def describe(o: Outcome) -> str:
     return f"{head} {o.message}"
 
 
+def plan_of(args: argparse.Namespace) -> Plan:
+    """``--provider``: none (torch / auto) = the CPU plan; ``cudnn`` = the GPU plan on this CUDA device;
+    ``emulated`` = its CPU preview at ``--capability`` (default 9.0, the H200). Raises ValueError (the message
+    names the option) for any other provider or a cudnn plan without the real kernels."""
+    provider = getattr(args, "provider", None) or "torch"
+    if provider in ("torch", "auto"):
+        return CPU_PLAN
+    if provider == "cudnn":
+        why = real_kernels.unavailable_reason()
+        if why is not None:
+            raise ValueError(f"--provider cudnn: {why}")
+        return gpu_plan(torch.cuda.get_device_capability())
+    if provider == FUSED_PATH:
+        return preview_plan(parse_capability(getattr(args, "capability", None) or "9.0"))
+    raise ValueError(f"--provider {provider}: --impl megatron mutants run the CPU plan (no --provider), the real "
+                     "kernels (--provider cudnn) or their CPU preview (--provider emulated)")
+
+
+def parse_capability(text: str) -> tuple[int, int]:
+    """``"9.0"`` -> ``(9, 0)``."""
+    major, dot, minor = text.partition(".")
+    if not (major.isdigit() and (not dot or minor.isdigit())):
+        raise ValueError(f"--capability {text!r}: expected MAJOR.MINOR, e.g. 9.0 (H200) or 10.0 (B200)")
+    return int(major), int(minor or 0)
+
+
+def summary(outcomes: Sequence[Outcome], plan: Plan) -> tuple[str, bool]:
+    """The last line and whether every mutant the plan can reach was killed (and every declared unreachable one
+    confirmed)."""
+    away = [o.name for o in outcomes if o.status == "not reachable"]
+    judged = len(outcomes) - len(away)
+    killed = sum(o.status == "killed" for o in outcomes)
+    line = f"mutants: {killed}/{judged} killed"
+    if plan.provider is not None:
+        line += f" on {plan.provider} ({plan.arch}{', stand-in' if plan.stand_in else ''})"
+    if away:
+        line += f"; {len(away)} not reachable on {plan.arch}: {', '.join(away)}"
+    return line, killed == judged
+
+
 def main(args: argparse.Namespace) -> int:
-    """``dsv4-parity mutants --impl megatron``."""
+    """``dsv4-parity mutants --impl megatron [--provider cudnn | emulated [--capability 9.0]]``."""
     try:
         source = locate(getattr(args, "megatron", None) or os.environ.get("DSV4_MEGATRON") or None)
-    except MegatronSourceError as exc:
+        plan = plan_of(args)
+    except (MegatronSourceError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     known = {m.name for m in MUTANTS}
     if getattr(args, "list", False):
         for m in MUTANTS:
             print(f"{m.name:<34} {m.description}  [{', '.join(m.providers)}; {m.path}]")
+            if plan.provider is not None and plan.covers(m):
+                why = plan.unreachable(m)
+                print(f"{'':<34} {plan.provider} ({plan.arch}): "
+                      + (f"not reachable: {why}" if why else f"gate cases {', '.join(m.gpu_cases)}"))
         return 0
     unknown = [n for n in (args.mutant or []) if n not in known]
     if unknown:
         print(f"error: unknown mutant(s) {unknown} (known: {', '.join(sorted(known))})", file=sys.stderr)
         return 2
     print(f"megatron: {source.revision} ({source.root}); patches go to scratch copies")
-    outcomes = run_suite(source.root, args.mutant)
-    killed = sum(o.status == "killed" for o in outcomes)
-    print(f"mutants: {killed}/{len(outcomes)} killed")
-    return 0 if killed == len(outcomes) else 1
+    if plan.provider is not None:
+        left = [m.name for m in MUTANTS if (not args.mutant or m.name in args.mutant) and not plan.covers(m)]
+        print(f"plan: {plan.provider} on {plan.device} ({plan.arch}{', emulated kernels' if plan.stand_in else ''}), "
+              f"gate cases; the fused path's mutants only" + (f" (not: {', '.join(left)})" if left else ""))
+        if not any(plan.covers(m) for m in MUTANTS if not args.mutant or m.name in args.mutant):
+            print("error: --mutant: none of the chosen mutants is in the fused path", file=sys.stderr)
+            return 2
+    outcomes = run_suite(source.root, args.mutant, plan=plan)
+    line, ok = summary(outcomes, plan)
+    print(line)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":  # the child process: python -m parity.megatron_mutants --child TREE JOBS
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
         with contextlib.redirect_stdout(io.StringIO()):
-            rows = _child(sys.argv[2], [tuple(j) for j in json.loads(sys.argv[3])])
+            rows = _child(sys.argv[2], [tuple(j) for j in json.loads(sys.argv[3])], json.loads(sys.argv[4]))
         print(json.dumps(rows))
         sys.exit(0)
     sys.exit(2)
