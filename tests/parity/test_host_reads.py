@@ -119,3 +119,18 @@ def test_a_whole_case_compares_with_one_read_per_numeric_tensor(monkeypatch):
     per_case = 3  # the mask to the host, its row ids, their move to the tensors' device
     assert reads.total <= len(numeric) + len(scores) + per_case, dict(reads.by_op)
     assert reads.by_op["tolist"] == len(numeric)
+
+
+def test_snapshot_mutation_check_reads_once_with_torch_equal_semantics():
+    from parity.snapshot import changed
+
+    before = {"nan": torch.tensor([1.0, math.nan]), "same": torch.zeros(3), "empty": torch.zeros(0),
+              "written": torch.ones(2), "resized": torch.zeros(3)}
+    after = {k: v.clone() for k, v in before.items()}
+    after["written"][1] = 2.0
+    after["resized"] = torch.zeros(4)
+    assert changed(before, after) == [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed(before, after) == ["nan", "written", "resized"]
+    assert reads_of(changed, before, after) == 1
+    # control: the per-tensor torch.equal it replaces reads once per tensor
+    assert reads_of(lambda: [torch.equal(before[k], after[k]) for k in before]) == len(before)
