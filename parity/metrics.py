@@ -61,25 +61,53 @@ def fetch(values: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(values, stacked.tolist()))
 
 
-def _reductions(a: torch.Tensor, r: torch.Tensor, *names: str) -> dict[str, torch.Tensor]:
-    """The named 0-d reductions of ``a`` vs ``r`` on their device (not yet read back), for non-empty tensors.
+class _Pair:
+    """``a`` vs ``r`` with their elementwise intermediates made once (``d = a - r``, ``|d|``, ``|r|``): the
+    reductions of a metric set share them, each the very tensor the single metric computes."""
+
+    def __init__(self, a: torch.Tensor, r: torch.Tensor):
+        self.a, self.r = a, r
+        self._d = self._ad = self._ar = None
+
+    @property
+    def d(self) -> torch.Tensor:
+        if self._d is None:
+            self._d = self.a - self.r
+        return self._d
+
+    @property
+    def ad(self) -> torch.Tensor:
+        if self._ad is None:
+            self._ad = self.d.abs()
+        return self._ad
+
+    @property
+    def ar(self) -> torch.Tensor:
+        if self._ar is None:
+            self._ar = self.r.abs()
+        return self._ar
+
+
+def _reductions(x: _Pair, *names: str) -> dict[str, torch.Tensor]:
+    """The named 0-d reductions of ``x.a`` vs ``x.r`` on their device (not yet read back), for non-empty tensors.
 
     ``err_max = max|a-r|``, ``ref_max = max|r|``, ``rel_max`` (max ``|a-r|/|r|`` where ``|r| >= 1e-3·max|r|``, 0
     elsewhere: ratios are >= 0 and the largest ``|r|`` always counts, so the maximum is that of the kept elements),
-    ``mse = mean (a-r)²``, ``norm_diff = ‖a-r‖``, ``norm_a``, ``norm_r``, ``dot = Σ a·r``, ``squares = Σa² + Σr²``."""
+    ``rmse``, ``norm_diff = ‖a-r‖``, ``norm_a``, ``norm_r``, ``dot = Σ a·r``, ``squares = Σa² + Σr²``."""
+    a, r = x.a, x.r
     out = {}
     for name in names:
         if name == "err_max":
-            out[name] = (a - r).abs().max()
+            out[name] = x.ad.max()
         elif name == "ref_max":
-            out[name] = r.abs().max()
+            out[name] = x.ar.max()
         elif name == "rel_max":
-            keep = r.abs() >= MAX_REL_FLOOR * r.abs().max()
-            out[name] = torch.where(keep, (a - r).abs() / r.abs(), torch.zeros_like(r)).max()
+            keep = x.ar >= MAX_REL_FLOOR * x.ar.max()
+            out[name] = torch.where(keep, x.ad / x.ar, torch.zeros_like(r)).max()
         elif name == "rmse":
-            out[name] = (a - r).pow(2).mean().sqrt()
+            out[name] = x.d.pow(2).mean().sqrt()
         elif name == "norm_diff":
-            out[name] = torch.linalg.vector_norm(a - r)
+            out[name] = torch.linalg.vector_norm(x.d)
         elif name == "norm_a":
             out[name] = torch.linalg.vector_norm(a)
         elif name == "norm_r":
@@ -97,7 +125,7 @@ def _read(a: torch.Tensor, r: torch.Tensor, *names: str) -> dict[str, float]:
     """:func:`_reductions` read back (one transfer); all 0.0 for empty tensors."""
     if not a.numel():
         return dict.fromkeys(names, 0.0)
-    return fetch(_reductions(a, r, *names))
+    return fetch(_reductions(_Pair(a, r), *names))
 
 
 # ---- plain error metrics: the scalar rule of each, from its read-back reductions --------------------------------------
@@ -189,13 +217,13 @@ def ulp_floor(r: torch.Tensor, dtype: torch.dtype, ulps: float) -> float:
     return ulps * eps(dtype) * float(r.abs().max())
 
 
-def _noise_floor_reductions(a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: torch.dtype, ulps: float,
-                            per_element: bool, scalar_ulps: float, atol: float) -> dict[str, torch.Tensor]:
-    """The device side of :func:`noise_floor_ratio` (non-empty tensors): ``den = max|p-r| + ulps·eps·max|r| + atol``
-    (``den``, summed in this order like the scalar rule), ``err_max``, and with ``per_element`` the per-element
-    ``ratio_max`` / ``den_min``."""
-    den = (p - r).abs().max() + ulps * eps(dtype) * r.abs().max() + atol
-    err = (a - r).abs()
+def _noise_floor_reductions(x: _Pair, ref: _Pair, dtype: torch.dtype, ulps: float, per_element: bool,
+                            scalar_ulps: float, atol: float) -> dict[str, torch.Tensor]:
+    """The device side of :func:`noise_floor_ratio` (non-empty tensors; ``x`` = ``a`` vs ``r``, ``ref`` = ``p`` vs
+    ``r``): ``den = max|p-r| + ulps·eps·max|r| + atol`` (summed in this order like the scalar rule), ``err_max``, and
+    with ``per_element`` the per-element ``ratio_max`` / ``den_min``."""
+    r, err = x.r, x.ad
+    den = ref.ad.max() + ulps * eps(dtype) * x.ar.max() + atol
     out = {"den": den, "err_max": err.max()}
     if per_element:
         dens = den + scalar_ulps * ulp(r, dtype)
@@ -222,7 +250,7 @@ def noise_floor_ratio(a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: 
     """
     if not a.numel():
         return 0.0, 0.0
-    v = fetch(_noise_floor_reductions(a, r, p, dtype, ulps, per_element, scalar_ulps, atol))
+    v = fetch(_noise_floor_reductions(_Pair(a, r), _Pair(p, r), dtype, ulps, per_element, scalar_ulps, atol))
     return _noise_floor_ratio(v, per_element)
 
 
@@ -238,11 +266,11 @@ def frac_outside(a: torch.Tensor, r: torch.Tensor, tolerance) -> float:
     """Fraction of elements whose error exceeds ``tolerance`` (the noise-floor unit; a float or a 0-d tensor)."""
     if not a.numel():
         return 0.0
-    return float(_frac_outside(a, r, tolerance))
+    return float(_frac_outside(_Pair(a, r), tolerance))
 
 
-def _frac_outside(a: torch.Tensor, r: torch.Tensor, tolerance) -> torch.Tensor:
-    return ((a - r).abs() > tolerance).double().mean()
+def _frac_outside(x: _Pair, tolerance) -> torch.Tensor:
+    return (x.ad > tolerance).double().mean()
 
 
 def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: torch.dtype, ulps: float,
@@ -268,13 +296,15 @@ def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: 
     device: dict[str, torch.Tensor] = dict(also or {})
     if a.numel():
         floor_unit = ulps * eps(dtype)
-        device.update({f"a.{k}": v for k, v in _reductions(a, r, *both, "ref_max", "rel_max", "norm_diff").items()})
-        device.update({f"p.{k}": v for k, v in _reductions(p, r, *both).items()})
-        device.update({f"nf.{k}": v for k, v in _noise_floor_reductions(a, r, p, dtype, ulps, per_element,
+        mine, ref = _Pair(a, r), _Pair(p, r)
+        device.update({f"a.{k}": v for k, v in _reductions(mine, *both, "ref_max", "rel_max", "norm_diff").items()})
+        device.update({f"p.{k}": v for k, v in _reductions(ref, *both).items()})
+        device.update({f"nf.{k}": v for k, v in _noise_floor_reductions(mine, ref, dtype, ulps, per_element,
                                                                         scalar_ulps, atol).items()})
         device["rms_r"] = r.pow(2).mean().sqrt()
         # frac_outside's tolerance: ref_error + floor + atol, summed in that order like the scalar rule
-        device["frac_outside"] = _frac_outside(a, r, device["p.err_max"] + floor_unit * device["a.ref_max"] + atol)
+        device["frac_outside"] = _frac_outside(mine, device["p.err_max"] + floor_unit * device["a.ref_max"] + atol)
+        del mine, ref  # the intermediates
     values = fetch(device)
     if not a.numel():  # empty: every reduction is 0 (the single metrics' convention)
         names = [f"{w}.{k}" for w in "ap" for k in both] + ["a.ref_max", "a.rel_max", "a.norm_diff", "rms_r",
