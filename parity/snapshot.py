@@ -182,6 +182,16 @@ def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> 
     return [name for name in before if flags[name]]
 
 
+def on_host(tensors: dict[str, Optional[torch.Tensor]]) -> dict[str, Optional[torch.Tensor]]:
+    """Detached host copies of ``tensors`` (``None`` stays ``None``, a CPU tensor is returned as is): the
+    device-to-host copies are queued together and waited for once (``.cpu()`` per tensor waits for the device each
+    time)."""
+    out = {k: None if v is None else v.detach().to("cpu", non_blocking=True) for k, v in tensors.items()}
+    if any(v is not None and v.is_cuda for v in tensors.values()):
+        torch.cuda.synchronize()
+    return out
+
+
 def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The real-token rows of a row tensor as ``[R_real, ...]`` (``mask``: bool ``[B, S]`` or ``[T]``)."""
     flat = x.reshape((mask.numel(),) + tuple(x.shape[mask.dim():]))

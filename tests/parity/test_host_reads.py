@@ -134,3 +134,14 @@ def test_snapshot_mutation_check_reads_once_with_torch_equal_semantics():
     assert reads_of(changed, before, after) == 1
     # control: the per-tensor torch.equal it replaces reads once per tensor
     assert reads_of(lambda: [torch.equal(before[k], after[k]) for k in before]) == len(before)
+
+
+def test_on_host_copies_once_and_keeps_values():
+    from parity.snapshot import on_host
+
+    x = {"a": torch.arange(6.0).reshape(2, 3), "none": None, "i": torch.tensor([3, -1])}
+    with HostReads() as reads:
+        host = on_host(x)
+    assert host["none"] is None and torch.equal(host["a"], x["a"]) and torch.equal(host["i"], x["i"])
+    assert all(v is None or v.device.type == "cpu" for v in host.values())
+    assert reads.by_op["to"] == 2 and reads.total == 2  # one queued copy per tensor, no per-tensor wait on CUDA
