@@ -50,58 +50,154 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(mag))) * eps(dtype)
 
 
-# ---- plain error metrics ---------------------------------------------------------------------------------------------
-def max_abs(a: torch.Tensor, r: torch.Tensor) -> float:
-    return float((a - r).abs().max()) if a.numel() else 0.0
+# ---- one host transfer ---------------------------------------------------------------------------------------------
+def fetch(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``{name: float(value)}`` of 0-d tensors (one device) in ONE host transfer: on CUDA every ``float(t)`` is a
+    device sync, so the metrics of a tensor are reduced on its device first and read back together. float64 holds
+    every value exactly (counts up to 2**53 included)."""
+    if not values:
+        return {}
+    stacked = torch.stack([v.detach().reshape(()).to(torch.float64) for v in values.values()])
+    return dict(zip(values, stacked.tolist()))
 
 
-def max_rel(a: torch.Tensor, r: torch.Tensor, floor_fraction: float = 1e-3) -> float:
-    """``max |a - r| / |r|`` over elements with ``|r| >= floor_fraction · max|r|`` (near-zeros would dominate)."""
+class _Pair:
+    """``a`` vs ``r`` with their elementwise intermediates made once (``d = a - r``, ``|d|``, ``|r|``): the
+    reductions of a metric set share them, each the very tensor the single metric computes."""
+
+    def __init__(self, a: torch.Tensor, r: torch.Tensor):
+        self.a, self.r = a, r
+        self._d = self._ad = self._ar = None
+
+    @property
+    def d(self) -> torch.Tensor:
+        if self._d is None:
+            self._d = self.a - self.r
+        return self._d
+
+    @property
+    def ad(self) -> torch.Tensor:
+        if self._ad is None:
+            self._ad = self.d.abs()
+        return self._ad
+
+    @property
+    def ar(self) -> torch.Tensor:
+        if self._ar is None:
+            self._ar = self.r.abs()
+        return self._ar
+
+
+def _reductions(x: _Pair, *names: str) -> dict[str, torch.Tensor]:
+    """The named 0-d reductions of ``x.a`` vs ``x.r`` on their device (not yet read back), for non-empty tensors.
+
+    ``err_max = max|a-r|``, ``ref_max = max|r|``, ``rel_max`` (max ``|a-r|/|r|`` where ``|r| >= 1e-3·max|r|``, 0
+    elsewhere: ratios are >= 0 and the largest ``|r|`` always counts, so the maximum is that of the kept elements),
+    ``rmse``, ``norm_diff = ‖a-r‖``, ``norm_a``, ``norm_r``, ``dot = Σ a·r``, ``squares = Σa² + Σr²``."""
+    a, r = x.a, x.r
+    out = {}
+    for name in names:
+        if name == "err_max":
+            out[name] = x.ad.max()
+        elif name == "ref_max":
+            out[name] = x.ar.max()
+        elif name == "rel_max":
+            keep = x.ar >= MAX_REL_FLOOR * x.ar.max()
+            out[name] = torch.where(keep, x.ad / x.ar, torch.zeros_like(r)).max()
+        elif name == "rmse":
+            out[name] = x.d.pow(2).mean().sqrt()
+        elif name == "norm_diff":
+            out[name] = torch.linalg.vector_norm(x.d)
+        elif name == "norm_a":
+            out[name] = torch.linalg.vector_norm(a)
+        elif name == "norm_r":
+            out[name] = torch.linalg.vector_norm(r)
+        elif name == "dot":
+            out[name] = (a * r).sum()
+        elif name == "squares":
+            out[name] = a.pow(2).sum() + r.pow(2).sum()
+        else:
+            raise KeyError(name)
+    return out
+
+
+def _read(a: torch.Tensor, r: torch.Tensor, *names: str) -> dict[str, float]:
+    """:func:`_reductions` read back (one transfer); all 0.0 for empty tensors."""
     if not a.numel():
-        return 0.0
-    scale = float(r.abs().max())
-    if scale == 0.0:
-        return 0.0 if float((a - r).abs().max()) == 0.0 else math.inf
-    keep = r.abs() >= floor_fraction * scale
-    return float(((a - r).abs()[keep] / r.abs()[keep]).max())
+        return dict.fromkeys(names, 0.0)
+    return fetch(_reductions(_Pair(a, r), *names))
 
 
-def rmse(a: torch.Tensor, r: torch.Tensor) -> float:
-    return float((a - r).pow(2).mean().sqrt()) if a.numel() else 0.0
+# ---- plain error metrics: the scalar rule of each, from its read-back reductions --------------------------------------
+MAX_REL_FLOOR = 1e-3
 
 
-def rel_l2(a: torch.Tensor, r: torch.Tensor) -> float:
-    """``‖a - r‖ / ‖r‖`` (0 when both are 0, inf when only ``r`` is)."""
-    num, den = float(torch.linalg.vector_norm(a - r)), float(torch.linalg.vector_norm(r))
+def _max_rel(v: dict) -> float:
+    if v["ref_max"] == 0.0:
+        return 0.0 if v["err_max"] == 0.0 else math.inf
+    return v["rel_max"]
+
+
+def _rel_l2(v: dict) -> float:
+    num, den = v["norm_diff"], v["norm_r"]
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / den
 
 
-def cosine(a: torch.Tensor, r: torch.Tensor) -> float:
-    """Cosine similarity; 1 for two all-zero tensors, 0 when exactly one is zero (an all-zero gradient fails)."""
-    na, nr = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(r))
+def _cosine(v: dict) -> float:
+    na, nr = v["norm_a"], v["norm_r"]
     if na == 0.0 and nr == 0.0:
         return 1.0
     if na == 0.0 or nr == 0.0:
         return 0.0
-    return float((a * r).sum()) / (na * nr)
+    return v["dot"] / (na * nr)
+
+
+def _tensor_sim(v: dict) -> float:
+    if v["squares"] == 0.0:
+        return 1.0
+    return 2.0 * v["dot"] / v["squares"]
+
+
+def _scale_error(v: dict) -> float:
+    na, nr = v["norm_a"], v["norm_r"]
+    if nr == 0.0:
+        return 0.0 if na == 0.0 else math.inf
+    return abs(na / nr - 1.0)
+
+
+def max_abs(a: torch.Tensor, r: torch.Tensor) -> float:
+    return _read(a, r, "err_max")["err_max"]
+
+
+def max_rel(a: torch.Tensor, r: torch.Tensor) -> float:
+    """``max |a - r| / |r|`` over elements with ``|r| >= 1e-3 · max|r|`` (near-zeros would dominate)."""
+    return _max_rel(_read(a, r, "err_max", "ref_max", "rel_max"))
+
+
+def rmse(a: torch.Tensor, r: torch.Tensor) -> float:
+    return _read(a, r, "rmse")["rmse"]
+
+
+def rel_l2(a: torch.Tensor, r: torch.Tensor) -> float:
+    """``‖a - r‖ / ‖r‖`` (0 when both are 0, inf when only ``r`` is)."""
+    return _rel_l2(_read(a, r, "norm_diff", "norm_r"))
+
+
+def cosine(a: torch.Tensor, r: torch.Tensor) -> float:
+    """Cosine similarity; 1 for two all-zero tensors, 0 when exactly one is zero (an all-zero gradient fails)."""
+    return _cosine(_read(a, r, "norm_a", "norm_r", "dot"))
 
 
 def tensor_sim(a: torch.Tensor, r: torch.Tensor) -> float:
     """Megatron's scale-sensitive similarity ``2⟨a,r⟩ / (‖a‖² + ‖r‖²)``; 1 for two all-zero tensors."""
-    den = float(a.pow(2).sum() + r.pow(2).sum())
-    if den == 0.0:
-        return 1.0
-    return 2.0 * float((a * r).sum()) / den
+    return _tensor_sim(_read(a, r, "dot", "squares"))
 
 
 def scale_error(a: torch.Tensor, r: torch.Tensor) -> float:
     """``|‖a‖/‖r‖ - 1|``: first order in a systematic scale bias, ~noise/√N for unbiased noise."""
-    na, nr = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(r))
-    if nr == 0.0:
-        return 0.0 if na == 0.0 else math.inf
-    return abs(na / nr - 1.0)
+    return _scale_error(_read(a, r, "norm_a", "norm_r"))
 
 
 def mixed_error(a: torch.Tensor, r: torch.Tensor) -> float:
@@ -121,6 +217,29 @@ def ulp_floor(r: torch.Tensor, dtype: torch.dtype, ulps: float) -> float:
     return ulps * eps(dtype) * float(r.abs().max())
 
 
+def _noise_floor_reductions(x: _Pair, ref: _Pair, dtype: torch.dtype, ulps: float, per_element: bool,
+                            scalar_ulps: float, atol: float) -> dict[str, torch.Tensor]:
+    """The device side of :func:`noise_floor_ratio` (non-empty tensors; ``x`` = ``a`` vs ``r``, ``ref`` = ``p`` vs
+    ``r``): ``den = max|p-r| + ulps·eps·max|r| + atol`` (summed in this order like the scalar rule), ``err_max``, and
+    with ``per_element`` the per-element ``ratio_max`` / ``den_min``."""
+    r, err = x.r, x.ad
+    den = ref.ad.max() + ulps * eps(dtype) * x.ar.max() + atol
+    out = {"den": den, "err_max": err.max()}
+    if per_element:
+        dens = den + scalar_ulps * ulp(r, dtype)
+        out["ratio_max"] = torch.where(err == 0, torch.zeros_like(err), err / dens).max()
+        out["den_min"] = dens.min()
+    return out
+
+
+def _noise_floor_ratio(v: dict, per_element: bool) -> tuple[float, float]:
+    if per_element:
+        return v["ratio_max"], v["den_min"]
+    if v["den"] == 0.0:
+        return (0.0 if v["err_max"] == 0.0 else math.inf), 0.0
+    return v["err_max"] / v["den"], v["den"]
+
+
 def noise_floor_ratio(a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: torch.dtype, ulps: float,
                       per_element: bool = False, scalar_ulps: float = 0.0, atol: float = 0.0) -> tuple[float, float]:
     """``(ratio, floor)``: the implementation's max error in units of the noise floor (module docstring).
@@ -131,15 +250,8 @@ def noise_floor_ratio(a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: 
     """
     if not a.numel():
         return 0.0, 0.0
-    den = max_abs(p, r) + ulp_floor(r, dtype, ulps) + atol
-    err = (a - r).abs()
-    if per_element:
-        dens = den + scalar_ulps * ulp(r, dtype)
-        ratio = torch.where(err == 0, torch.zeros_like(err), err / dens)
-        return float(ratio.max()), float(dens.min())
-    if den == 0.0:
-        return (0.0 if float(err.max()) == 0.0 else math.inf), 0.0
-    return float(err.max()) / den, den
+    v = fetch(_noise_floor_reductions(_Pair(a, r), _Pair(p, r), dtype, ulps, per_element, scalar_ulps, atol))
+    return _noise_floor_ratio(v, per_element)
 
 
 def ratio_to_floor(value: float, ref_value: float, floor: float) -> float:
@@ -150,16 +262,20 @@ def ratio_to_floor(value: float, ref_value: float, floor: float) -> float:
     return value / den
 
 
-def frac_outside(a: torch.Tensor, r: torch.Tensor, tolerance: float) -> float:
-    """Fraction of elements whose error exceeds ``tolerance`` (the noise-floor unit)."""
+def frac_outside(a: torch.Tensor, r: torch.Tensor, tolerance) -> float:
+    """Fraction of elements whose error exceeds ``tolerance`` (the noise-floor unit; a float or a 0-d tensor)."""
     if not a.numel():
         return 0.0
-    return float(((a - r).abs() > tolerance).double().mean())
+    return float(_frac_outside(_Pair(a, r), tolerance))
+
+
+def _frac_outside(x: _Pair, tolerance) -> torch.Tensor:
+    return (x.ad > tolerance).double().mean()
 
 
 def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: torch.dtype, ulps: float,
             per_element: bool = False, scalar_ulps: float = 0.0, scale_floor: float = 0.25,
-            atol: float = 0.0) -> dict[str, float]:
+            atol: float = 0.0, also: Optional[dict] = None) -> dict[str, float]:
     """Every metric of ``a`` vs the float64 truth ``r`` (and the noise run ``p``; ``None`` means ``p = r``).
 
     ``dtype`` is the working precision whose epsilon sizes the floors; ``ulps`` the tensor-wide ULP floor,
@@ -168,31 +284,57 @@ def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: 
     frac_outside noise_floor_ratio ref_error ulp_floor rmse_ratio ref_rmse scale_error scale_ratio ref_scale_error
     ref_cosine ref_tensor_sim``. ``a``, ``r``, ``p`` must be finite float64 tensors of one shape (the caller counts
     and removes non-finite elements).
+
+    Every reduction is made on the tensors' device and read back in ONE transfer (:func:`fetch`), with the values of
+    the single metrics above (same float64 operations, same order). ``also``: further 0-d tensors of the caller (e.g.
+    NaN counts) that ride along that transfer; they come back as floats under their own keys.
     """
     p = r if p is None else p
     if atol > 0:  # magnitudes below atol are underflow noise: an exactly-zero reference is matched by 1e-46
         a, r, p = (torch.where(x.abs() <= atol, torch.zeros_like(x), x) for x in (a, r, p))
-    floor = ulp_floor(r, dtype, ulps)
-    nfr, _ = noise_floor_ratio(a, r, p, dtype, ulps, per_element, scalar_ulps, atol)
+    both = ("err_max", "rmse", "norm_a", "norm_r", "dot", "squares")
+    device: dict[str, torch.Tensor] = dict(also or {})
+    if a.numel():
+        floor_unit = ulps * eps(dtype)
+        mine, ref = _Pair(a, r), _Pair(p, r)
+        device.update({f"a.{k}": v for k, v in _reductions(mine, *both, "ref_max", "rel_max", "norm_diff").items()})
+        device.update({f"p.{k}": v for k, v in _reductions(ref, *both).items()})
+        device.update({f"nf.{k}": v for k, v in _noise_floor_reductions(mine, ref, dtype, ulps, per_element,
+                                                                        scalar_ulps, atol).items()})
+        device["rms_r"] = r.pow(2).mean().sqrt()
+        # frac_outside's tolerance: ref_error + floor + atol, summed in that order like the scalar rule
+        device["frac_outside"] = _frac_outside(mine, device["p.err_max"] + floor_unit * device["a.ref_max"] + atol)
+        del mine, ref  # the intermediates
+    values = fetch(device)
+    if not a.numel():  # empty: every reduction is 0 (the single metrics' convention)
+        names = [f"{w}.{k}" for w in "ap" for k in both] + ["a.ref_max", "a.rel_max", "a.norm_diff", "rms_r",
+                                                             "frac_outside", "nf.den", "nf.err_max"]
+        values.update(dict.fromkeys(names, 0.0))
+    mine = {k[2:]: v for k, v in values.items() if k.startswith("a.")}
+    ref = {k[2:]: v for k, v in values.items() if k.startswith("p.")}
+    nf = {k[3:]: v for k, v in values.items() if k.startswith("nf.")}
+    floor = ulps * eps(dtype) * mine["ref_max"]
+    nfr = _noise_floor_ratio(nf, per_element)[0] if a.numel() else 0.0
     out = {
-        "max_abs": max_abs(a, r),
-        "max_rel": max_rel(a, r),
-        "rmse": rmse(a, r),
-        "rel_l2": rel_l2(a, r),
-        "cosine": cosine(a, r),
-        "tensor_sim": tensor_sim(a, r),
+        "max_abs": mine["err_max"],
+        "max_rel": _max_rel(mine),
+        "rmse": mine["rmse"],
+        "rel_l2": _rel_l2(mine),
+        "cosine": _cosine(mine),
+        "tensor_sim": _tensor_sim(mine),
         "noise_floor_ratio": nfr,
-        "ref_error": max_abs(p, r),
+        "ref_error": ref["err_max"],
         "ulp_floor": floor,
-        "ref_rmse": rmse(p, r),
-        "scale_error": scale_error(a, r),
-        "ref_scale_error": scale_error(p, r),
-        "ref_cosine": cosine(p, r),
-        "ref_tensor_sim": tensor_sim(p, r),
+        "ref_rmse": ref["rmse"],
+        "scale_error": _scale_error(mine),
+        "ref_scale_error": _scale_error(ref),
+        "ref_cosine": _cosine(ref),
+        "ref_tensor_sim": _tensor_sim(ref),
     }
-    rms_floor = ulps * eps(dtype) * (float(r.pow(2).mean().sqrt()) if r.numel() else 0.0)
+    rms_floor = ulps * eps(dtype) * values["rms_r"]
     out["rmse_ratio"] = ratio_to_floor(out["rmse"], out["ref_rmse"], rms_floor + atol)
     # a systematic scale bias below scale_floor·eps is free: unbiased rounding moves the norm far less than that
     out["scale_ratio"] = ratio_to_floor(out["scale_error"], out["ref_scale_error"], scale_floor * eps(dtype))
-    out["frac_outside"] = frac_outside(a, r, out["ref_error"] + floor + atol)
+    out["frac_outside"] = values["frac_outside"]
+    out.update({k: values[k] for k in (also or {})})
     return out

@@ -16,6 +16,8 @@
   host-side work of N GPU workers must not oversubscribe the cores). ``--threads`` overrides both. On CPU the
   thread count changes the summation order of parallel reductions, so two CPU runs agree bit for bit only at the
   same thread count (``--workers 1 --threads 1`` against ``--workers 2``); on CUDA it does not matter.
+  Multi-worker CUDA runs draw each case's tensors on ``2 × cores // N`` threads (at most ``cores``;
+  :data:`DRAW_THREADS_PER_SHARE`) unless ``DSV4_PARITY_DRAW_THREADS`` is set: the draws do not depend on it.
 * **Order**: :func:`by_cost` — a shared queue, most expensive case first, every idle worker taking the next one.
   That is Graham's LPT list scheduling driven by the *measured* finish times, so a wrong estimate costs at most
   one case's imbalance at the end of the sweep instead of a whole static shard.
@@ -45,10 +47,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from cases.case import Case
 from cases.errors import CaseError
+from cases.tensors import DRAW_THREADS_ENV
 
 #: Relative cost of one multiply-add per dtype, per device kind. CUDA: bf16 on tensor cores vs fp32 / fp64 on the
 #: CUDA cores (H100/H200: ~990 vs ~67 dense TFLOP/s, fp64 half of fp32 outside tensor-core GEMMs). CPU: fp32 SIMD,
@@ -100,6 +103,11 @@ def _cuda_tokens() -> list[str]:
 #: ``auto`` on CUDA: at most this many workers per GPU, and at least this many cores per worker.
 AUTO_MAX_PER_GPU = 4
 AUTO_CORES_PER_WORKER = 4
+#: drawing threads of a multi-worker CUDA worker, in units of its intra-op share (capped at the machine's cores).
+#: The draws are CPU-bound float64 normals while the workers mostly take turns on the GPU, so each worker's draws
+#: may borrow its peers' cores: the warm H200 gate (16 cores, 4 workers) took 236 s with 4 drawing threads per
+#: worker, 192 s with 8, 203 s with 16. The values do not depend on it (:func:`cases.tensors.draw_threads`).
+DRAW_THREADS_PER_SHARE = 2
 
 
 def auto_workers(device: str, gpus: int, cores: int) -> int:
@@ -145,13 +153,17 @@ class Slot:
 
 
 def plan_slots(workers: int, device: str, *, threads: Optional[int] = None,
-               tokens: Optional[Sequence[str]] = None, cpu_count: Optional[int] = None) -> list[Slot]:
+               tokens: Optional[Sequence[str]] = None, cpu_count: Optional[int] = None,
+               environ: Optional[Mapping[str, str]] = None) -> list[Slot]:
     """One :class:`Slot` per worker (see the module docstring for pinning and threads).
 
     A single worker is never pinned and keeps the default thread count unless ``threads`` is given: one worker is
-    the run as it was before sharding.
+    the run as it was before sharding. Workers of a multi-worker CUDA run also get
+    ``DSV4_PARITY_DRAW_THREADS = min(cores, DRAW_THREADS_PER_SHARE × threads)`` unless ``environ`` (default: this
+    process's environment) already sets it.
     """
     cores = cpu_count or os.cpu_count() or 1
+    environ = os.environ if environ is None else environ
     if device == "cuda":
         tokens = list(_cuda_tokens() if tokens is None else tokens) or ["0"]
         per_worker = threads if threads is not None else (None if workers == 1 else max(1, cores // workers))
@@ -168,6 +180,8 @@ def plan_slots(workers: int, device: str, *, threads: Optional[int] = None,
             token = tokens[i % len(tokens)]
             if workers > 1:
                 env["CUDA_VISIBLE_DEVICES"] = token
+                if per_worker is not None and not environ.get(DRAW_THREADS_ENV, "").strip():
+                    env[DRAW_THREADS_ENV] = str(min(cores, DRAW_THREADS_PER_SHARE * per_worker))
             label = f"cuda:{token}"
         else:
             label = "cpu"
@@ -232,5 +246,5 @@ def by_cost(cases: Sequence[Case], device: str = "cpu") -> list[Case]:
     return [case for _, case in indexed]
 
 
-__all__ = ["AUTO_CORES_PER_WORKER", "AUTO_MAX_PER_GPU", "DTYPE_FACTOR", "Slot", "auto_workers", "by_cost",
+__all__ = ["AUTO_CORES_PER_WORKER", "AUTO_MAX_PER_GPU", "DRAW_THREADS_PER_SHARE", "DTYPE_FACTOR", "Slot", "auto_workers", "by_cost",
            "estimate_cost", "parse_workers", "per_row_macs", "plan_slots", "resolve_workers", "visible_cuda_devices"]

@@ -148,7 +148,7 @@ def take_snapshot(module, case: Case, tensors: CaseTensors, *, upcast: bool = Fa
     if psp is not None:
         current["cu_seqlens_q"] = psp.cu_seqlens_q
         current["cu_seqlens_q_padded"] = psp.cu_seqlens_q_padded
-    mutated = [k for k, v in originals.items() if not torch.equal(current[k].detach(), v)]
+    mutated = changed(originals, current)
 
     out: dict[str, Optional[torch.Tensor]] = {}
     for name in FORWARD_NAMES:
@@ -162,6 +162,34 @@ def take_snapshot(module, case: Case, tensors: CaseTensors, *, upcast: bool = Fa
                for k, v in out.items()}
     not_provided = dict(getattr(result, "not_provided", None) or {})
     return Snapshot(out, mutated, dict(record) if record is not None else None, not_provided)
+
+
+def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
+    """The names (in ``before``'s order) whose tensor in ``after`` is not ``torch.equal`` to its copy in ``before``:
+    other metadata, or some element differs (NaN included, as ``torch.equal``). The element checks are read back in
+    one transfer per device instead of one device sync per tensor."""
+    flags: dict[str, object] = {}
+    per_device: dict[torch.device, list[str]] = {}
+    for name, old in before.items():
+        new = after[name].detach()
+        if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
+            flags[name] = True
+        else:
+            flags[name] = (new != old).any()
+            per_device.setdefault(new.device, []).append(name)
+    for names in per_device.values():
+        flags.update(zip(names, torch.stack([flags[n] for n in names]).tolist()))
+    return [name for name in before if flags[name]]
+
+
+def on_host(tensors: dict[str, Optional[torch.Tensor]]) -> dict[str, Optional[torch.Tensor]]:
+    """Detached host copies of ``tensors`` (``None`` stays ``None``, a CPU tensor is returned as is): the
+    device-to-host copies are queued together and waited for once (``.cpu()`` per tensor waits for the device each
+    time)."""
+    out = {k: None if v is None else v.detach().to("cpu", non_blocking=True) for k, v in tensors.items()}
+    if any(v is not None and v.is_cuda for v in tensors.values()):
+        torch.cuda.synchronize()
+    return out
 
 
 def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from cases.case import Case
 from cases.tensors import CaseTensors
 
 from .location import first_where, row_mask
-from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, other_rows, real_rows, role, scores_of
+from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, on_host, other_rows, real_rows, role, scores_of
 
 
 def _fmt_dtype(x: torch.Tensor) -> str:
@@ -76,6 +76,8 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
     slack = torch.tensor([k == "slack" for k in tensors.row_kinds], dtype=torch.bool) if tensors.row_kinds else None
     for what in impl.mutated:
         problems["*"].append(f"the implementation modified {what} in place")
+    host = on_host(impl.tensors)  # every check below reads host copies, made in one go
+    truth_scores = on_host({n: truth[n] for n in truth.names if role(n) == "index_scores"})
 
     for name in dict.fromkeys(expect.names + impl.names):
         if name in impl.not_provided:
@@ -95,7 +97,7 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
             continue
         if a.dtype != e.dtype:
             problems[name].append(f"dtype {_fmt_dtype(a)} != reference {_fmt_dtype(e)}")
-        a = a.detach().cpu()
+        a = host[name]
         if role(name) == "topk_indices":
             continue  # below, needs the scores
         if a.is_floating_point() and torch.isnan(a).any() and name != "out" and name != "lse":
@@ -115,7 +117,7 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
         elif role(name) == "index_scores":
             t = truth[name]
             if t is not None:
-                fa, ft = torch.isfinite(real_rows(a, mask)), torch.isfinite(real_rows(t.cpu(), mask))
+                fa, ft = torch.isfinite(real_rows(a, mask)), torch.isfinite(real_rows(truth_scores[name], mask))
                 if not torch.equal(fa, ft):
                     problems[name].append(f"finite (causally valid) pattern differs on {int((fa != ft).sum())} "
                                           "real-row entries")
@@ -139,7 +141,7 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
             problems[name].append(f"the reference returned no {scores_of(name)} to check the selection against")
         else:
             k = case.config.dsa_indexer_topk
-            ir = real_rows(idx.cpu(), mask)
-            sr = real_rows(scores.cpu().to(torch.float64), mask)
+            ir = real_rows(host[name], mask)
+            sr = real_rows(truth_scores[scores_of(name)].to(torch.float64), mask)
             problems[name] += topk_problems(ir.reshape(ir.shape[0], -1) if ir.dim() > 1 else ir, sr, k)
     return {k: v for k, v in problems.items() if v}

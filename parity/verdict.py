@@ -110,11 +110,15 @@ def _binding(rows: list) -> tuple[str, float]:
 
 
 def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: torch.dtype,
-                  tol: Tolerance, scalar_numel: int, nan: int = 0, inf: int = 0) -> tuple[str, str, list]:
-    """Rules 2-4 on restricted float64 tensors; returns ``(verdict, rule, metric rows, failure message)``."""
+                  tol: Tolerance, scalar_numel: int, nan=0, inf=0) -> tuple[str, str, list]:
+    """Rules 2-4 on restricted float64 tensors; returns ``(verdict, rule, metric rows, failure message)``.
+    ``nan`` / ``inf``: the counts of non-finite elements of the implementation's tensor, ints or 0-d tensors (read
+    back with the metrics, in their one transfer)."""
     per_element = r.numel() <= scalar_numel
+    counts = {k: v for k, v in (("nan", nan), ("inf", inf)) if isinstance(v, torch.Tensor)}
     values = metrics.compute(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
-                       scale_floor=tol.scale_floor, atol=tol.atol)
+                             scale_floor=tol.scale_floor, atol=tol.atol, also=counts)
+    nan, inf = int(values.get("nan", nan)), int(values.get("inf", inf))
     rows = []
     for metric in ("max_abs", "max_rel", "rmse", "rel_l2", "cosine", "tensor_sim", "frac_outside",
                    "noise_floor_ratio", "ref_error", "ulp_floor", "rmse_ratio", "ref_rmse", "scale_error",
@@ -148,9 +152,23 @@ def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torc
     return "pass", rule or "noise_floor", rows, ""
 
 
-def _restrict(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _restrict(name: str, x: torch.Tensor, real: "_RealRows") -> torch.Tensor:
     x = metrics.upcast(x)
-    return real_rows(x, mask) if is_row_tensor(name) else x
+    return real.of(x) if is_row_tensor(name) else x
+
+
+class _RealRows:
+    """:func:`real_rows` by a gather on the tensors' device: the mask's row ids go to each device once per case
+    (boolean indexing would copy the mask and count its true entries, a device sync, for every tensor)."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask, self.ids, self._on = mask, mask.reshape(-1).nonzero().squeeze(1), {}
+
+    def of(self, x: torch.Tensor) -> torch.Tensor:
+        ids = self._on.get(x.device)
+        if ids is None:
+            ids = self._on[x.device] = self.ids.to(x.device)
+        return x.reshape((self.mask.numel(),) + tuple(x.shape[self.mask.dim():])).index_select(0, ids)
 
 
 def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: Snapshot, noise: Snapshot,
@@ -163,6 +181,7 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
     dtype the implementation declares it computes the case in (default the case dtype); the tolerances, ULP floor
     and tie margins are that dtype's (the noise run was made in it)."""
     mask = tensors.real_rows.cpu()
+    real = _RealRows(mask)
     precision = precision or case.dtype
     results, report = [], None
     for name in dict.fromkeys(truth.names + impl.names):
@@ -183,15 +202,13 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
             rep = _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule, precision)
             report = rep if name == "topk_indices" else report  # the case row's summary: the layer's selection
             continue
-        ar, rr, pr = _restrict(name, a, mask), _restrict(name, r, mask), _restrict(name, p, mask)
-        nan = int(torch.isnan(ar).sum())
+        ar, rr, pr = _restrict(name, a, real), _restrict(name, r, real), _restrict(name, p, real)
+        nan = torch.isnan(ar).sum()
         if role(name) == "index_scores":  # compare where causally valid (the -inf pattern is a structure rule)
-            keep = torch.isfinite(rr)
-            inf = int(torch.isinf(ar[keep]).sum())
-            ar, rr, pr = ar[keep], rr[keep], pr[keep]
+            keep = torch.isfinite(rr).reshape(-1).nonzero().squeeze(1)  # one sync for the three tensors
+            ar, rr, pr = (x.reshape(-1).index_select(0, keep) for x in (ar, rr, pr))
             pr = torch.where(torch.isfinite(pr), pr, rr)
-        else:
-            inf = int(torch.isinf(ar).sum())
+        inf = torch.isinf(ar).sum()
         tol = policy.tolerance(cls, precision, provider)
         dtype = DTYPES[precision]  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
         verdict, rule, rows, msg = judge_numeric(name, cls, ar, rr, pr, dtype, tol, policy.scalar_numel, nan, inf)

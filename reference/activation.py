@@ -61,6 +61,16 @@ def use_activation_pattern(active: torch.Tensor, window: float) -> Iterator[Acti
         yield pattern
     finally:
         _PATTERN.reset(token)
+        _read_back(pattern.record)
+
+
+def _read_back(record: dict) -> None:
+    """The record's counters as Python numbers. :func:`relu` accumulates them on the device (a ``float()`` per row
+    block would wait for the device every time); they are read back here, once."""
+    live = [k for k, v in record.items() if isinstance(v, torch.Tensor)]
+    if live:
+        values = torch.stack([record[k].to(torch.float64) for k in live]).tolist()
+        record.update({k: int(v) if k != "relu_window_usage" else v for k, v in zip(live, values)})
 
 
 def current_pattern() -> Optional[ActivationPattern]:
@@ -92,7 +102,8 @@ def relu(dots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, active: Optional[
     """``ReLU(dots)`` with ``dots = q @ k^T`` (``q [B, s, nI, dI]``, ``k [B, 1, n_comp, dI]``); with ``active``
     (bool like ``dots``) its derivative takes ``active`` where ``|dots|`` is within the window (module docstring).
     ``record`` counts the differing products where ``counted`` (bool, broadcast like ``dots``: the causally valid
-    ones, whose score is used) holds."""
+    ones, whose score is used) holds; its counters stay 0-d device tensors until :func:`use_activation_pattern`
+    reads them back on exit."""
     if active is None:
         return torch.relu(dots)
     with torch.no_grad():
@@ -100,11 +111,14 @@ def relu(dots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, active: Optional[
         scale = torch.sqrt(q.square().to(k.dtype) @ k.square().transpose(-1, -2))
         ambiguous = dots.abs() <= window * scale
         differ = (active != own) if counted is None else (active != own) & counted
-        if record is not None and not _recomputing():
-            record["relu_adopted"] += int((differ & ambiguous).sum())
-            record["relu_rejected"] += int((differ & ~ambiguous).sum())
-            if bool(differ.any()):  # how far from 0 the farthest disagreement is, in windows
-                usage = (dots.abs() / (window * scale).clamp_min(torch.finfo(scale.dtype).tiny))[differ]
-                record["relu_window_usage"] = max(record["relu_window_usage"], float(usage.max()))
+        if record is not None and not _recomputing() and dots.numel():  # read back at the end (_read_back)
+            record["relu_adopted"] = record["relu_adopted"] + (differ & ambiguous).sum()
+            record["relu_rejected"] = record["relu_rejected"] + (differ & ~ambiguous).sum()
+            # how far from 0 the farthest disagreement is, in windows (0 without one)
+            usage = dots.abs() / (window * scale).clamp_min(torch.finfo(scale.dtype).tiny)
+            farthest = torch.where(differ, usage, torch.zeros_like(usage)).max().to(torch.float64)
+            so_far = record["relu_window_usage"]
+            so_far = so_far if isinstance(so_far, torch.Tensor) else torch.full_like(farthest, so_far)
+            record["relu_window_usage"] = torch.fmax(so_far, farthest)
         slope = torch.where(ambiguous, active, own).to(dots.dtype)
     return _ReluAtSlope.apply(dots, slope)

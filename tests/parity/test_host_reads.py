@@ -1,0 +1,147 @@
+"""The compare phase reads each compared tensor's metrics back in ONE host transfer (issue 22: on a GPU shared by
+4 worker processes every ``float(tensor)`` is a device sync; the old per-metric reads were ~35 per tensor).
+
+Counted on the CPU with :class:`tests.host_reads.HostReads`; the negative controls show the count catches a
+metric that reads twice, and the old per-metric pattern."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parity import impls, metrics, policy as policy_mod, verdict
+from parity.engine import RunOptions, snapshots
+from parity.impls import policy_provider
+from parity.snapshot import role
+from tests.parity.helpers import pick
+from tests.host_reads import HostReads
+
+FUSED, REF = impls.load("fused"), impls.load("reference")
+
+
+def _triple(n=257, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(n, dtype=torch.float64, generator=g)
+    return (r + 1e-3 * torch.randn(n, dtype=torch.float64, generator=g), r,
+            r + 1e-3 * torch.randn(n, dtype=torch.float64, generator=g))
+
+
+def reads_of(fn, *args, **kwargs) -> int:
+    with HostReads() as reads:
+        fn(*args, **kwargs)
+    return reads.total
+
+
+def assert_one_read(fn, *args, **kwargs) -> None:
+    n = reads_of(fn, *args, **kwargs)
+    assert n == 1, f"{getattr(fn, '__name__', fn)} made {n} host reads, expected 1"
+
+
+@pytest.mark.parametrize("per_element", [False, True])
+@pytest.mark.parametrize("atol", [0.0, 1e-3])
+def test_compute_reads_every_metric_back_in_one_transfer(per_element, atol):
+    a, r, p = _triple()
+    also = {"nan": torch.isnan(a).sum(), "inf": torch.isinf(a).sum()}
+    assert_one_read(metrics.compute, a, r, p, torch.bfloat16, 2.0, per_element=per_element, scalar_ulps=4.0,
+                    atol=atol, also=also)
+    out = metrics.compute(a, r, p, torch.bfloat16, 2.0, also=also)
+    assert out["nan"] == 0.0 and out["inf"] == 0.0
+
+
+def test_judge_numeric_one_read_per_tensor():
+    a, r, p = _triple()
+    tol = policy_mod.default().tolerance("out", "bfloat16", "torch")
+    assert_one_read(verdict.judge_numeric, "out", "out", a, r, p, torch.bfloat16, tol, 1,
+                    torch.isnan(a).sum(), torch.isinf(a).sum())
+    verdict_, _, rows, _ = verdict.judge_numeric("out", "out", a, r, p, torch.bfloat16, tol, 1,
+                                                 torch.isnan(a).sum(), torch.isinf(a).sum())
+    assert {row.metric: row.value for row in rows}["nan"] == 0.0 and verdict_ == "pass"
+
+
+def test_negative_control_a_metric_that_reads_twice_is_caught():
+    a, r, _ = _triple()
+
+    def reads_twice(a, r):  # the old per-metric pattern: every float() a separate device sync
+        return float((a - r).abs().max()), float(r.abs().max())
+
+    with pytest.raises(AssertionError, match="made 2 host reads"):
+        assert_one_read(reads_twice, a, r)
+
+    def old_cosine(a, r):  # what parity/metrics.cosine did before issue 22
+        na, nr = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(r))
+        return float((a * r).sum()) / (na * nr)
+
+    with pytest.raises(AssertionError, match="made 3 host reads"):
+        assert_one_read(old_cosine, a, r)
+
+
+def test_compute_equals_the_single_metrics_bit_for_bit():
+    """The one-transfer compute gives exactly the values of the single metrics (the pre-issue-22 compute was their
+    composition), including the 0 / inf conventions of all-zero and empty tensors."""
+    a, r, p = _triple(1000, seed=3)
+    zero, empty = torch.zeros_like(r), r[:0]
+    for x, y, z in ((a, r, p), (r, r, r), (zero, zero, zero), (a, zero, p), (zero, r, p), (empty, empty, empty)):
+        for atol in (0.0, 1e-3):
+            out = metrics.compute(x, y, z, torch.bfloat16, 2.0, atol=atol)
+            if atol:
+                x, y, z = (torch.where(t.abs() <= atol, torch.zeros_like(t), t) for t in (x, y, z))
+            floor = metrics.ulp_floor(y, torch.bfloat16, 2.0)
+            single = {"max_abs": metrics.max_abs(x, y), "max_rel": metrics.max_rel(x, y), "rmse": metrics.rmse(x, y),
+                      "rel_l2": metrics.rel_l2(x, y), "cosine": metrics.cosine(x, y),
+                      "tensor_sim": metrics.tensor_sim(x, y), "ref_error": metrics.max_abs(z, y), "ulp_floor": floor,
+                      "noise_floor_ratio": metrics.noise_floor_ratio(x, y, z, torch.bfloat16, 2.0, atol=atol)[0],
+                      "scale_error": metrics.scale_error(x, y), "ref_cosine": metrics.cosine(z, y),
+                      "frac_outside": metrics.frac_outside(x, y, metrics.max_abs(z, y) + floor + atol)}
+            for key, value in single.items():
+                assert out[key] == value or (math.isnan(out[key]) and math.isnan(value)), (key, out[key], value)
+    # control: the comparison is sensitive (a one-ulp change of one element moves max_abs)
+    bumped = a.clone()
+    bumped[int((a - r).abs().argmax())] += 1e-12
+    assert metrics.compute(bumped, r, p, torch.bfloat16, 2.0)["max_abs"] != metrics.max_abs(a, r)
+
+
+def test_a_whole_case_compares_with_one_read_per_numeric_tensor(monkeypatch):
+    """Every numeric tensor of a THD case with an indexer: one read each, plus the once-per-case row ids and one
+    count of the causally valid scores per ``index_scores`` tensor (the top-k protocol runs on host copies and is
+    left out here)."""
+    case = pick(layout="thd", loss="sparse")
+    tensors, impl, truth, noise = snapshots(case, FUSED, REF, RunOptions())
+    monkeypatch.setattr(verdict, "_judge_topk", lambda *args: None)
+    policy = policy_mod.default()
+    with HostReads() as reads:
+        out, _ = verdict.judge_case_tensors(case, tensors, impl, truth, noise, {}, policy,
+                                            policy_provider(impl.record, "torch"))
+    numeric = [t for t in out if t.metrics]
+    scores = [t for t in numeric if role(t.name) == "index_scores"]
+    assert len(numeric) >= 15 and scores
+    per_case = 3  # the mask to the host, its row ids, their move to the tensors' device
+    assert reads.total <= len(numeric) + len(scores) + per_case, dict(reads.by_op)
+    assert reads.by_op["tolist"] == len(numeric)
+
+
+def test_snapshot_mutation_check_reads_once_with_torch_equal_semantics():
+    from parity.snapshot import changed
+
+    before = {"nan": torch.tensor([1.0, math.nan]), "same": torch.zeros(3), "empty": torch.zeros(0),
+              "written": torch.ones(2), "resized": torch.zeros(3)}
+    after = {k: v.clone() for k, v in before.items()}
+    after["written"][1] = 2.0
+    after["resized"] = torch.zeros(4)
+    assert changed(before, after) == [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed(before, after) == ["nan", "written", "resized"]
+    assert reads_of(changed, before, after) == 1
+    # control: the per-tensor torch.equal it replaces reads once per tensor
+    assert reads_of(lambda: [torch.equal(before[k], after[k]) for k in before]) == len(before)
+
+
+def test_on_host_copies_once_and_keeps_values():
+    from parity.snapshot import on_host
+
+    x = {"a": torch.arange(6.0).reshape(2, 3), "none": None, "i": torch.tensor([3, -1])}
+    with HostReads() as reads:
+        host = on_host(x)
+    assert host["none"] is None and torch.equal(host["a"], x["a"]) and torch.equal(host["i"], x["i"])
+    assert all(v is None or v.device.type == "cpu" for v in host.values())
+    assert reads.by_op["to"] == 2 and reads.total == 2  # one queued copy per tensor, no per-tensor wait on CUDA
