@@ -10,7 +10,9 @@ For a case of dtype ``d`` (all runs on the same device, from the same materialis
 
 Sign-split (:mod:`parity.sign_split`): for float32 / bf16 training cases with an indexer loss, both reference runs
 also take the implementation's indexer ReLU pattern (observed through its public API) where their own product is
-ambiguously near 0, so a rounding-flipped sign can neither fake nor hide an indexer-gradient difference.
+ambiguously near 0, so a rounding-flipped sign can neither fake nor hide an indexer-gradient difference; and they
+differentiate the indexer KL at the implementation's ``index_scores`` (score-split), so the forward rounding of the
+scores, amplified by the cancellation in ``softmax(I) - T``, is not what sets the indexer gradients' noise floor.
 
 The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`), and, on
 exactly tied rows, by the implementation's declared tie rule (:meth:`Implementation.tie_rule`).
@@ -185,7 +187,7 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
         stage, pattern = f"{impl.name} activation pattern", None
         if sign_split.applies(case):
             with clock("sign_split"):
-                pattern = observe_pattern(case, impl, tensors, provider, options, policy)
+                pattern = observe_pattern(case, impl, tensors, provider, options, policy, impl_snap["index_scores"])
         stage = f"{against.name} runs"
         precision = impl.precision(case)
         if precision != case.dtype:
@@ -220,7 +222,8 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
     if pattern is not None:
         record = truth.record or {}
         result.sign_split = {"adopted": record.get("relu_adopted", 0), "rejected": record.get("relu_rejected", 0),
-                             "window_usage": record.get("relu_window_usage", 0.0)}
+                             "window_usage": record.get("relu_window_usage", 0.0),
+                             "scores": pattern.scores is not None}
     result.topk = report.summary() if report is not None else None
     ran = {p for value in result.plan.values() for p in str(value).split("+")}
     if options.require and outcome == "pass" and options.require not in ran:
@@ -233,13 +236,16 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
 
 
 def observe_pattern(case: Case, impl: Implementation, tensors, provider: str, options: RunOptions,
-                    policy: policy_mod.Policy) -> Optional[sign_split.Pattern]:
-    """The implementation's indexer activation pattern for sign-split, or None where it does not apply."""
+                    policy: policy_mod.Policy, scores: Optional[torch.Tensor] = None) -> Optional[sign_split.Pattern]:
+    """The implementation's indexer activation pattern for sign-split, with its ``index_scores`` (``scores``, from its
+    training run) for score-split, or None where it does not apply."""
     if not sign_split.applies(case):
         return None
     settings = sign_split.Settings(**policy.section("sign_split"))
     active = sign_split.observe(impl.api, case, tensors, impl.context(provider, options.require), settings)
-    return None if active is None else sign_split.Pattern(active, sign_split.window(case, settings))
+    if active is None:
+        return None
+    return sign_split.Pattern(active, sign_split.window(case, settings), sign_split.split_scores(active, scores))
 
 
 def reference_runs(case: Case, against: Implementation, tensors, split: Optional[torch.Tensor],
@@ -252,7 +258,7 @@ def reference_runs(case: Case, against: Implementation, tensors, split: Optional
     note = ""
     context = contextlib.nullcontext
     if pattern is not None:
-        context = against.activation_context(pattern.active, pattern.window)
+        context = against.activation_context(pattern.active, pattern.window, pattern.scores)
         if context is None:
             context, note = contextlib.nullcontext, f"{against.name} has no sign-split hook"
     try:
@@ -295,7 +301,8 @@ def snapshots(case: Case, impl: Implementation, against: Implementation, options
     provider = impl.resolve_provider(options.provider)
     tensors = materialize(case, options.torch_device())
     impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
-    pattern = observe_pattern(case, impl, tensors, provider, options, policy_mod.default())
+    pattern = observe_pattern(case, impl, tensors, provider, options, policy_mod.default(),
+                              impl_snap["index_scores"])
     truth, noise, _ = reference_runs(case, against, tensors, impl_snap["topk_indices"], pattern,
                                     impl.precision(case))
     api_runs(case, impl, against, tensors, provider, options.require, impl_snap, truth, noise)

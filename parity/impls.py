@@ -5,8 +5,9 @@ An implementation is an object (usually a module) exposing the public API of ARC
 (``fused``'s conventions). Without them the provider is ignored (the reference has none; its provider reads
 ``"none"``). Optional hooks, looked up by name:
 
-* ``use_activation_pattern(active, window)`` — a context manager differentiating the indexer's ReLU at another
-  implementation's activation pattern (sign-split, :mod:`parity.sign_split`; the reference has it);
+* ``use_activation_pattern(active, window, scores=None)`` — a context manager differentiating the indexer's ReLU
+  at another implementation's activation pattern and the indexer KL at its index scores (sign- and score-split,
+  :mod:`parity.sign_split`; the reference has it);
 * ``topk_tie_rule(record)`` — the declared top-k tie rule of a run (``parity.topk.TIE_RULES``) given its plan
   record; without it the attribute ``TOPK_TIE_RULE``; without either ``"arbitrary"`` (only the value-based
   top-k protocol applies). ``reference`` declares ``lower-index``; ``fused`` per provider (``torch``:
@@ -137,10 +138,11 @@ class Implementation:
         return lambda: hooks.use_backend(provider=provider, require=required)
 
 
-    def activation_context(self, active, window: float) -> Optional[Callable[[], ContextManager]]:
-        """Sign-split context factory for ``active``, or None if this implementation has no such hook."""
+    def activation_context(self, active, window: float, scores=None) -> Optional[Callable[[], ContextManager]]:
+        """Sign-split context factory for ``active`` (and score-split for ``scores``), or None if this
+        implementation has no such hook."""
         fn = self.optional_hook("use_activation_pattern")
-        return None if fn is None else (lambda: fn(active, window))
+        return None if fn is None else (lambda: fn(active, window, scores))
 
 
 def policy_provider(record: Optional[dict], requested: str) -> str:

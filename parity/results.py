@@ -53,7 +53,7 @@ class CaseResult:
     plan: dict = field(default_factory=dict)
     topk: Optional[dict] = None
     tensors: list = field(default_factory=list)  # verdict.TensorResult
-    sign_split: Optional[dict] = None  # {adopted, rejected, window_usage} of the truth run (parity/sign_split.py)
+    sign_split: Optional[dict] = None  # {adopted, rejected, window_usage, scores} of the truth run (parity/sign_split.py)
     not_provided: dict = field(default_factory=dict)  # {tensor: why the implementation has none}
     precision: Optional[str] = None  # the implementation's declared working precision, when below the case dtype
     known: Optional[dict] = None  # the known deviation that matched ({id, status, ...}), see parity.known

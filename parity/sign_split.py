@@ -16,6 +16,13 @@ The reference adopts the pattern only where its own product is within ``window_u
 (× the dot's rounding scale) of 0 (:mod:`reference.activation`), so a wrong pattern cannot hide a real error.
 float64 cases (no rounding to speak of), eval cases and cases without an indexer loss skip it; so do cases whose
 pattern (rows × heads × compressed ids booleans) exceeds ``max_elements``.
+
+Score-split rides along: the pattern carries the implementation's ``index_scores`` (its forward output, compared on
+its own), and the reference differentiates the indexer KL at them (:func:`reference.activation.log_softmax_at`).
+The gradient of the KL is ``softmax(I) - T``; where few rows see two compressed keys, ``I`` and ``T`` cancel to a
+few percent of themselves, so each run's bf16 forward rounding of ``I`` (one random draw) becomes a few-percent
+scale error of every indexer gradient, and the noise run's draw set the floor (gate 8d3fa957d2e2: 3.4%, against
+0.58% with score-split). With the scores split, the floor is the backward's arithmetic and the teacher's rounding.
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ WEIGHTS = "core_attention.indexer.linear_weights_proj.weight"
 
 @dataclass(frozen=True)
 class Pattern:
-    """An observed pattern and the reference's ambiguity window for it (case-dtype eps × ``window_ulps``)."""
+    """An observed pattern, the reference's ambiguity window for it (case-dtype eps × ``window_ulps``), and the
+    implementation's index scores for score-split (None: the KL keeps its own derivative)."""
 
     active: torch.Tensor
     window: float
+    scores: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -88,3 +97,12 @@ def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], Context
                 return None
             per_head.append(torch.isfinite(scores) & (scores != 0))
     return torch.stack(per_head, dim=-2)
+
+
+def split_scores(active: torch.Tensor, scores: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The implementation's ``index_scores`` for score-split when they are laid out like ``active`` without its head
+    axis (``[B, S, n_comp]`` / ``[T, width]``); else None (a malformed output is the structure rule's to report)."""
+    if scores is None or not scores.is_floating_point():
+        return None
+    expected = tuple(active.shape[:-2]) + tuple(active.shape[-1:])
+    return scores.detach() if tuple(scores.shape) == expected else None

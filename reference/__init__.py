@@ -13,7 +13,8 @@ Public API (identical names and signatures in ``fused``; see ARCHITECTURE.md)::
     compressor(hidden, params, prefix, config, packed_seq_params=None, *, rotate=False)
     indexer(hidden, q_latent, params, config, packed_seq_params=None)
 
-Beyond it, ``use_activation_pattern(active, window)`` (parity's sign-split hook, :mod:`reference.activation`).
+Beyond it, ``use_activation_pattern(active, window, scores=None)`` (parity's sign- and score-split hook,
+:mod:`reference.activation`).
 ``TOPK_TIE_RULE``: the declared top-k tie behaviour the parity engine enforces on exactly tied rows
 (``parity/impls.py``): among equal scores the lower compressed index wins, always (a stable sort).
 """

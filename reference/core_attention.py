@@ -49,7 +49,8 @@ def core_sequence(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q
     """Core attention of ``B`` sequences of ``S`` tokens: ``query [B,S,n,D]``, ``kv [B,S,D]``, ``hidden [B,S,Hd]``,
     ``q_latent [B,S,Rq]``; ``compressed [B,n_comp,D]`` / ``index_keys [B,n_comp,dI]`` the compressors' entries
     (r > 1 / indexer layers); ``topk_indices [B,S,K]`` local ids overriding the indexer's selection (split mode);
-    ``pattern`` the indexer ReLU's derivative pattern (sign-split, :mod:`reference.activation`)."""
+    ``pattern`` the indexer ReLU's derivative pattern and the KL's scores (sign- and score-split,
+    :mod:`reference.activation`)."""
     c = config
     B, S, n, _ = query.shape
     sink = get_param(params, "core_attention.attn_sink", (n,))
@@ -69,7 +70,7 @@ def core_sequence(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, q
     kl = None
     if training and c.has_indexer:
         kl = indexer_kl_rows(scores, used_topk if c.dsa_indexer_use_sparse_loss else None, query, kv, compressed,
-                             sink, c)
+                             sink, c, None if pattern is None else pattern.scores)
     return SequenceResult(out, lse, kl, own_topk, scores)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from cases.config import INDEXER_RATIO, ModelConfig
 
+from .activation import log_softmax_at
 from .compressor import visible_compressed_count
 from .numerics import FP32_TINY, compute_dtype, per_block, row_chunks
 from .sparse_attention import gather_rows, window_indices
@@ -65,11 +66,15 @@ def teacher_target(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
 
 
 def kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], query: torch.Tensor, compressed: torch.Tensor,
-            lse_nc: torch.Tensor, visible: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+            lse_nc: torch.Tensor, visible: torch.Tensor, softmax_scale: float,
+            at_scores: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One row block of :func:`indexer_kl_rows`: ``KL_t [B, s]`` from ``index_scores [B, s, n_comp]``, ``topk
     [B, s, K]`` (``None``: dense), ``query [B, s, n, D]``, ``compressed [B, n_comp, D]``, ``lse_nc [B, s, n]`` and
-    the visible entry counts ``visible [s]``. The candidates' keys are gathered here, inside the block."""
+    the visible entry counts ``visible [s]``. The candidates' keys are gathered here, inside the block.
+    ``at_scores [B, s, n_comp]``: score-split, the student's derivative taken at these scores
+    (:func:`reference.activation.log_softmax_at`)."""
     B, s, n_comp = index_scores.shape
+    at = None if at_scores is None else at_scores.detach()
     if topk is None:  # dense: every valid entry, keys shared by the rows of the block
         ids = torch.arange(n_comp, device=query.device).expand(B, s, n_comp)
         keys = compressed.unsqueeze(1)
@@ -78,24 +83,28 @@ def kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], query: tor
         ids = topk
         keys = gather_rows(compressed, ids.clamp(max=n_comp - 1))
         predict = torch.gather(index_scores, -1, ids.clamp(min=0, max=n_comp - 1))
+        at = None if at is None else torch.gather(at, -1, ids.clamp(min=0, max=n_comp - 1))
     valid = (ids >= 0) & (ids < visible.unsqueeze(-1))
     target = teacher_target(query, keys, valid, lse_nc, softmax_scale)
     row_valid = valid.any(dim=-1, keepdim=True)
     predict = predict.masked_fill(~valid, float("-inf"))
-    log_q = torch.log_softmax(torch.where(row_valid, predict, 0.0), dim=-1)
+    at = None if at is None else torch.where(row_valid, at.masked_fill(~valid, float("-inf")), 0.0)
+    log_q = log_softmax_at(torch.where(row_valid, predict, 0.0), at)
     log_t = torch.log(target.clamp_min(FP32_TINY))
     terms = torch.where(valid, target * (log_t - torch.where(valid, log_q, 0.0)), 0.0)
     return terms.sum(dim=-1)
 
 
 def indexer_kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], query: torch.Tensor, kv: torch.Tensor,
-                    compressed: torch.Tensor, attn_sink: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+                    compressed: torch.Tensor, attn_sink: torch.Tensor, config: ModelConfig,
+                    at_scores: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``KL_t [B, S]`` per query row of BSHD sequences (module docstring).
 
     ``index_scores [B, S, n_comp]`` (with gradient: the student); ``topk [B, S, K]`` local ids for the sparse loss,
     ``None`` for the dense loss; ``query [B, S, n, D]``, ``kv [B, S, D]``, ``compressed [B, n_comp, D]``,
     ``attn_sink [n]``: the teacher, detached here. Row blocks run through :func:`numerics.per_block`: the graph
     keeps no per-block target or log-probabilities, and the teacher is evaluated again in backward.
+    ``at_scores [B, S, n_comp]``: score-split (:mod:`reference.activation`), the implementation's index scores.
     """
     B, S, n_comp = index_scores.shape
     if n_comp == 0:
@@ -105,7 +114,8 @@ def indexer_kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], qu
     lse_nc = window_sink_lse(query, kv, attn_sink, config.csa_window_size, scale)
     visible = visible_compressed_count(S, INDEXER_RATIO, n_comp, query.device)
     blocks = [per_block(kl_rows, index_scores[:, rows], None if topk is None else topk[:, rows], query[:, rows],
-                        compressed, lse_nc[:, rows], visible[rows], scale)
+                        compressed, lse_nc[:, rows], visible[rows], scale,
+                        None if at_scores is None else at_scores[:, rows])
               for rows in row_chunks(S)]
     return torch.cat(blocks, dim=1)
 

@@ -7,7 +7,8 @@
   are global (``fused.rows.RowSpace.to_global`` replaced so that its call for the backward — the repeat
   of the identical call made for the score recompute just before it — returns its input unchanged).
 
-:func:`kill_margin` is how far a killed case is past the threshold that kills it (its strongest failing metric).
+:func:`kill_margin` is how far a killed case is past the threshold that kills it (its strongest failing metric);
+:func:`deciding_margin` how far it is past the threshold of the rule that decides it (the earliest failing rule).
 """
 
 from __future__ import annotations
@@ -102,15 +103,21 @@ def reaches(bug: str, case) -> bool:
     return True
 
 
-def kill_margin(result) -> Optional[tuple[float, str]]:
+def kill_margin(result, rule: Optional[str] = None) -> Optional[tuple[float, str]]:
     """How far past its threshold the strongest failing gating metric of the case is: ``(usage, "tensor metric")``
     (usage = value / threshold, for similarities ``(1 - sim) / (1 - floor)``); the case would still fail with that
-    metric's threshold loosened by ``usage``. None if no gating metric failed."""
+    metric's threshold loosened by ``usage``. ``rule``: only that rule's metrics. None if no such metric failed."""
     best = None
     for t in result.tensors:
         for m in t.metrics:
-            if m.metric in GATES and m.passed is False:
+            if m.metric in GATES and m.passed is False and rule in (None, GATES[m.metric][0]):
                 usage = m.usage
                 if best is None or usage > best[0] or math.isnan(best[0]):
                     best = (usage, f"{t.name} {m.metric}")
     return best
+
+
+def deciding_margin(result) -> Optional[tuple[float, str]]:
+    """:func:`kill_margin` over the metrics of the rule that decided the case (``result.decided_by``): the case would
+    still fail, and be decided by the same rule, with every threshold of that rule loosened by the usage."""
+    return kill_margin(result, result.decided_by)

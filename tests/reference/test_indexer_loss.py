@@ -141,3 +141,28 @@ def test_gradcheck_loss_wrt_indexer_scores(sparse):
     fn = lambda s: indexer_kl_rows(s.masked_fill(~finite, float("-inf")), topk if sparse else None, q, kv, comp,
                                    sink, config)
     assert torch.autograd.gradcheck(fn, (base,))
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+def test_score_split_differentiates_at_the_given_scores_and_keeps_the_loss(sparse):
+    """Score-split (``at_scores``): the loss value is the reference's own; its gradient with respect to the scores
+    is the plain gradient evaluated at ``at_scores``. Negative controls: at the own scores nothing changes, and other
+    scores do move the gradient."""
+    config = tiny_config(4, sparse=sparse, csa_window_size=3)
+    scores, topk, q, kv, comp, sink = random_inputs(S=13, n=2, D=4, n_comp=3, K=2, seed=3)
+    ids = topk if sparse else None
+    other = scores + 0.3 * torch.randn(scores.shape, generator=torch.Generator().manual_seed(4), dtype=scores.dtype)
+
+    def loss_and_grad(at_point, at_scores=None):
+        s = at_point.clone().requires_grad_(True)
+        kl = indexer_kl_rows(s, ids, q, kv, comp, sink, config, at_scores=at_scores).sum()
+        return float(kl.detach()), torch.autograd.grad(kl, s)[0]
+
+    plain_loss, plain_grad = loss_and_grad(scores)
+    split_loss, split_grad = loss_and_grad(scores, other)
+    _, grad_at_other = loss_and_grad(other)
+    assert split_loss == plain_loss
+    torch.testing.assert_close(split_grad, grad_at_other, rtol=1e-12, atol=1e-15)
+    assert float((split_grad - plain_grad).abs().max()) > 1e-3
+    _, same = loss_and_grad(scores, scores)
+    torch.testing.assert_close(same, plain_grad, rtol=1e-12, atol=1e-15)
