@@ -19,9 +19,9 @@ pattern (rows × heads × compressed ids booleans) exceeds ``max_elements``.
 
 Score-split rides along: the pattern carries the implementation's ``index_scores`` (its forward output, compared on
 its own), and the reference differentiates the indexer KL at them (:func:`reference.activation.log_softmax_at`).
-The gradient of the KL is ``softmax(I) - T``; where few rows see two compressed keys, ``I`` and ``T`` cancel to a
-few percent of themselves, so each run's bf16 forward rounding of ``I`` (one random draw) becomes a few-percent
-scale error of every indexer gradient, and the noise run's draw set the floor (gate 8d3fa957d2e2: 3.4%, against
+The gradient of the KL is ``softmax(I) - T``; where few rows see two compressed keys, it cancels to a few percent
+of its terms, so each run's bf16 forward rounding of ``I`` (one random draw) becomes a few-percent
+scale error of every indexer gradient, and the noise run's draw set the floor (gate e7f61d0aa0bb: 3.4%, against
 0.58% with score-split). With the scores split, the floor is the backward's arithmetic and the teacher's rounding.
 """
 
