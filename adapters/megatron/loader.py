@@ -84,7 +84,8 @@ def load(path: Optional[str] = None) -> Megatron:
                                       f"one tree (asked for {source.root})")
         return _LOADED
     present = sys.modules.get("megatron")
-    if present is not None and not str(getattr(present, "__file__", "") or "").startswith(str(source.root)):
+    places = [str(getattr(present, "__file__", None) or "")] + [str(p) for p in getattr(present, "__path__", [])]
+    if present is not None and not any(place.startswith(str(source.root)) for place in places if place):
         where = getattr(present, "__path__", ["?"])
         raise MegatronSourceError(f"another `megatron` package is already imported ({list(where)[0]}); "
                                   f"cannot import {source.root}")

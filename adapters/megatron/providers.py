@@ -103,10 +103,13 @@ def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(promote.mode())
             stack.enter_context(promote.float64_case(False))  # the block's mark, set by run_context's case
+            # production's modules are imported (and its tree put on sys.path) before a provider patches them: a
+            # fresh worker process enters this block before its first case builds the layer
+            mg = megatron()
             if name == "emulated":  # forward and backward both call the kernel stand-ins
                 from . import emulated  # noqa: PLC0415 — imports fused.kernels only for this provider
 
-                stack.enter_context(emulated.installed(megatron()))
+                stack.enter_context(emulated.installed(mg))
             elif name == "cudnn":
                 stack.enter_context(real_kernels.installed())
             yield handle

@@ -142,3 +142,35 @@ def test_a_gate_case_without_compressed_rows_is_known_not_an_error():
         result = run_case(find_case("gate", case_id), impl, ref, options)
         assert result.outcome == "known", (case_id, result.outcome, result.message)
         assert result.known["id"] == entry
+
+
+@needs_megatron
+def test_a_fresh_process_can_enter_the_cudnn_provider_before_its_first_case(tmp_path):
+    """A worker process enters ``use_backend("cudnn")`` before any case imported Megatron: the provider must import
+    production (and put its tree on ``sys.path``) before it patches production's kernel globals. Run in a fresh
+    interpreter with the real kernels replaced by the torch stand-ins (the availability check and the packages are
+    the only GPU parts). Negative control: the kernel seam alone, without the provider, cannot find the module."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "fresh.py"
+    script.write_text(
+        "import contextlib, sys\n"
+        "from adapters.megatron import emulated, kernel_calls, providers, real_kernels\n"
+        "real_kernels.unavailable_reason = lambda: None\n"
+        "real_kernels.installed = lambda: kernel_calls.installed(emulated.dsa_namespace(), 'cudnn',\n"
+        "                                                       emulated.flash_mla_sparse_fwd, 'flashmla')\n"
+        "if sys.argv[1] == 'seam-only':\n"
+        "    with kernel_calls.installed(emulated.dsa_namespace(), 'cudnn', emulated.flash_mla_sparse_fwd, 'x'):\n"
+        "        pass\n"
+        "with providers.use_backend('cudnn') as handle:\n"
+        "    print('entered', handle.record)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    ok = subprocess.run([sys.executable, str(script), "provider"], capture_output=True, text=True, env=env, cwd=root)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "entered {'megatron.cudnn': 'cudnn+flashmla'}" in ok.stdout
+    bare = subprocess.run([sys.executable, str(script), "seam-only"], capture_output=True, text=True, env=env,
+                          cwd=root)
+    assert bare.returncode != 0 and "No module named 'megatron'" in bare.stderr
