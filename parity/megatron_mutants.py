@@ -74,8 +74,8 @@ SM90_DENSE_LOSS = ("production's config validation refuses the r = 4 dense index
 #: why the THD compressor's offsets have no gate case: the small gate cases with a real segment after a padded one
 #: (the only ones where real and padded offsets differ for real rows) are not clean on production's fused path
 NO_CLEAN_SHIFTED_SEGMENT = ("the small gate cases with a real segment after a padded one (7971c6fed744, 6f068643940f) "
-                            "fail on the clean tree (production's padding-row gradient contract), so none can kill "
-                            "it; the CPU plan kills it on smoke cases")
+                            "do not pass on the clean tree (production's padding-row gradient deviations, registered "
+                            "known or failing), so none can kill it; the CPU plan kills it on smoke cases")
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---- the seed's three review bugs, in the fused THD code -----------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import sys
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -83,8 +84,6 @@ class ObservedDSA:
 @contextlib.contextmanager
 def installed(dsa_namespace: Any, dsa_provider: str, flash_fwd: Callable, flash_provider: str) -> Iterator[None]:
     """Production's fused module calls ``dsa_namespace`` and ``flash_fwd`` (both observed) inside the block."""
-    import importlib  # noqa: PLC0415
-
     fused = sys.modules.get(FUSED) or importlib.import_module(FUSED)
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(fused, "_DSA", ObservedDSA(dsa_namespace, dsa_provider)))

@@ -95,8 +95,9 @@ def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
     name = provider_name(provider)
     if name not in PROVIDERS:
         raise ValueError(f"megatron has no provider {provider!r} (known: {', '.join(PROVIDERS)})")
-    if name == "cudnn" and real_kernels.unavailable_reason() is not None:
-        raise MegatronUnavailable(real_kernels.unavailable_reason())
+    why = real_kernels.unavailable_reason() if name == "cudnn" else None
+    if why is not None:
+        raise MegatronUnavailable(why)
     token = _PROVIDER.set(name)
     handle = Handle(name, {f"megatron.{name}": "cudnn+flashmla" if name == "cudnn" else "torch"})
     try:

@@ -24,7 +24,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from cases.vocabulary import Unsupported
-from fused.kernels import compile_cache
+from fused.kernels.cudnn_provider import CudnnKernels, dsa_wrappers
+from fused.kernels.device_support import first_reason
+from fused.kernels.flashmla_provider import FlashMLAKernels
 
 from . import kernel_calls
 
@@ -37,21 +39,9 @@ class BridgeRefused(Unsupported):
 
 
 def unavailable_reason() -> Optional[str]:
-    """None when the real kernels can run here, else why not (no CUDA device, an architecture without the
-    kernels, a package that does not import)."""
-    if not torch.cuda.is_available():
-        return "the real cuDNN DSA / FlashMLA kernels need a CUDA device (torch.cuda.is_available() is False)"
-    major, minor = torch.cuda.get_device_capability()
-    if major not in (9, 10):
-        return f"the cuDNN DSA / FlashMLA kernels are built for sm90 / sm100, this device is sm{major}{minor}"
-    for module, attribute in (("cudnn", "DSA"), ("flash_mla", "flash_mla_sparse_fwd")):
-        try:
-            getattr(importlib.import_module(module), attribute)
-        except Exception as exc:  # noqa: BLE001 — any import failure means "not available here"
-            return f"{module}.{attribute} cannot be imported: {type(exc).__name__}: {exc}"
-    if major == 9 and not importlib.import_module("flash_mla").has_legacy():
-        return "flash_mla has no legacy (sm90) kernels in this build (flash_mla.has_legacy() is False)"
-    return None
+    """None when the real kernels can run here, else why not: the same checks as ``--impl fused``'s ``cudnn`` and
+    ``flashmla`` providers (a CUDA device of a kernel architecture, the packages import, FlashMLA's sm90 kernels)."""
+    return first_reason(CudnnKernels.unavailable_reason(), FlashMLAKernels.unavailable_reason())
 
 
 def flash_mla_bridge(forward: Callable, legacy: bool) -> Callable:
@@ -68,22 +58,14 @@ def flash_mla_bridge(forward: Callable, legacy: bool) -> Callable:
 
 
 def versions() -> dict[str, Any]:
-    """Kernel package versions (the run row's environment)."""
-    out = {}
-    for module in ("cudnn", "flash_mla"):
-        try:
-            out[module] = getattr(importlib.import_module(module), "__version__", None)
-        except Exception:  # noqa: BLE001
-            out[module] = None
-    return out
+    """Kernel package versions (the run row's environment), as the kernel providers report them."""
+    return {**CudnnKernels.versions(), **FlashMLAKernels.versions()}
 
 
 @contextlib.contextmanager
 def installed() -> Iterator[None]:
     """Production's fused module calls the real ``cudnn.DSA`` and the bridged FlashMLA forward inside the block."""
-    compile_cache.configure_environment()  # before the CuTe DSL is first imported
-    dsa = importlib.import_module("cudnn").DSA
-    compile_cache.install()  # the wrappers' compile caches made persistent (idempotent)
+    dsa = dsa_wrappers()  # the wrappers' compile caches made persistent, as for the fused path
     flash = importlib.import_module("flash_mla").flash_mla_sparse_fwd
     legacy = torch.cuda.get_device_capability()[0] == 9
     with kernel_calls.installed(dsa, "cudnn", flash_mla_bridge(flash, legacy), "flashmla"):

@@ -57,7 +57,7 @@ SM90_DENSE_REFUSAL = ("production refuses the DSv4 dense indexer loss (ratio-4 i
                       "SM90 dense DSA kernels are not reliable for this path (Megatron transformer_config check)")
 
 
-def _dsa():
+def dsa_wrappers():
     """``cudnn.DSA``, with the compiled-kernel caches pointed at the project's directory before the CuTe DSL is
     imported and the wrappers' compile caches made persistent (:mod:`.compile_cache`)."""
     if not _INSTALLED:
@@ -104,7 +104,7 @@ class CudnnKernels(KernelSet):
             return reason
         try:
             import cudnn  # noqa: F401, PLC0415
-            _dsa().indexer_forward_wrapper  # noqa: B018 - the first DSA attribute imports CuTe DSL / TVM FFI
+            dsa_wrappers().indexer_forward_wrapper  # noqa: B018 - the first DSA attribute imports CuTe DSL / TVM FFI
         except Exception as exc:  # noqa: BLE001 - any import failure means "not available here"
             return f"cudnn-frontend DSA wrappers cannot be imported: {type(exc).__name__}: {exc}"
         return None
@@ -261,21 +261,21 @@ class CudnnKernels(KernelSet):
         if q_causal_offsets is not None:
             thd["q_causal_offsets"] = q_causal_offsets
         with on_device(q):
-            res = _dsa().indexer_forward_wrapper(q.contiguous(), k.contiguous(), w.contiguous(), ratio=ratio,
+            res = dsa_wrappers().indexer_forward_wrapper(q.contiguous(), k.contiguous(), w.contiguous(), ratio=ratio,
                                                  qhead_per_kv_head=qhead_per_kv_head, sm_scale=sm_scale, **thd)
         return TupleDict(scores=res["scores"])
 
     def indexer_top_k(self, input_values, seq_lens, top_k, next_n=1, return_val=True, num_copy_bits=256, stream=None,
                       tie_break=0, deterministic=False):
         with on_device(input_values):
-            res = _dsa().indexer_top_k_wrapper(input_values, seq_lens, top_k, next_n=next_n, return_val=return_val,
+            res = dsa_wrappers().indexer_top_k_wrapper(input_values, seq_lens, top_k, next_n=next_n, return_val=return_val,
                                                num_copy_bits=num_copy_bits, stream=stream, tie_break=tie_break,
                                                deterministic=deterministic)
         return TupleDict(indices=res["indices"], values=res["values"])
 
     def compactify(self, indices, stream=None):
         with on_device(indices):
-            res = _dsa().compactify_wrapper(indices, stream=stream)
+            res = dsa_wrappers().compactify_wrapper(indices, stream=stream)
         return TupleDict(indices=res["indices"], topk_length=res["topk_length"])
 
     # ================================================================ sparse attention backward ===================
@@ -292,7 +292,7 @@ class CudnnKernels(KernelSet):
             topk_idxs = pad_dim(topk_idxs, -1, round_up(topk_idxs.shape[-1], SM90_BWD_INDEX_BUCKET), -1)
         direct = padded == heads
         with on_device(q):
-            res = _dsa().sparse_attention_backward_wrapper(
+            res = dsa_wrappers().sparse_attention_backward_wrapper(
                 q, kv, out, dout, lse, attn_sink, topk_idxs, softmax_scale=softmax_scale, topk_length=topk_length,
                 dq=dq if direct else None, dkv=dkv, block_tile=block_tile, deterministic=deterministic, stream=stream,
                 workspace=workspace, q_cluster_mode=q_cluster_mode)
@@ -309,7 +309,7 @@ class CudnnKernels(KernelSet):
             q_attn, lse = pad_dim(q_attn, 2, padded), pad_dim(lse, 2, padded, float("inf"))
             qhead_per_kv_head = None if qhead_per_kv_head is None else padded
         with on_device(q_attn):
-            res = _dsa().sparse_attn_score_recompute_wrapper(
+            res = dsa_wrappers().sparse_attn_score_recompute_wrapper(
                 q_attn, k_attn, lse, topk_indices, softmax_scale, qhead_per_kv_head=qhead_per_kv_head,
                 topk_length=topk_length, topk_indices_global=topk_indices_global, out=out, stream=stream)
         return TupleDict(target=res["target"])
@@ -322,7 +322,7 @@ class CudnnKernels(KernelSet):
             q_indexer, weights = pad_dim(q_indexer, 2, padded), pad_dim(weights, 2, padded)
             qhead_per_kv_head = None if qhead_per_kv_head is None else padded
         with on_device(q_indexer):
-            res = _dsa().sparse_indexer_score_recompute_wrapper(
+            res = dsa_wrappers().sparse_indexer_score_recompute_wrapper(
                 q_indexer, k_indexer, weights, topk_indices, qhead_per_kv_head=qhead_per_kv_head,
                 topk_length=topk_length, topk_indices_global=topk_indices_global, out=out, stream=stream)
         return TupleDict(predict=res["predict"])
@@ -335,7 +335,7 @@ class CudnnKernels(KernelSet):
             q, aux = pad_dim(q, -2, padded), pad_dim(aux, -1, padded, aux_fill)
             qhead_per_kv_head = None if qhead_per_kv_head is None else padded // kv_heads
         with on_device(q):
-            res = getattr(_dsa(), wrapper)(q, k, aux, qhead_per_kv_head=qhead_per_kv_head, out=out,
+            res = getattr(dsa_wrappers(), wrapper)(q, k, aux, qhead_per_kv_head=qhead_per_kv_head, out=out,
                                            denom_out=denom_out, ratio=ratio, **thd, **extra)
         return TupleDict(out=res["out"], denom=res["denom"])
 
@@ -373,7 +373,7 @@ class CudnnKernels(KernelSet):
         ids = pad_dim(topk_indices, 2, padded_topk, -1)
         direct = padded_heads == heads
         with on_device(index_q):
-            res = _dsa().indexer_backward_wrapper(
+            res = dsa_wrappers().indexer_backward_wrapper(
                 q, w, index_k, target, predict, ids, grad_loss, sm_scale=sm_scale, loss_coeff=loss_coeff,
                 block_I=block_I, topk_indices_global=topk_indices_global, d_index_q=d_index_q if direct else None,
                 d_weights=d_weights if direct else None, d_index_k=d_index_k, stream=stream)
@@ -395,7 +395,7 @@ class CudnnKernels(KernelSet):
         direct = padded == heads
         thd = self._thd_kwargs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         with on_device(index_q):
-            res = _dsa().dense_indexer_backward_wrapper(
+            res = dsa_wrappers().dense_indexer_backward_wrapper(
                 q, w, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale=sm_scale,
                 loss_coeff=loss_coeff, block_I=block_I, ratio=ratio, d_index_q=d_index_q if direct else None,
                 d_weights=d_weights if direct else None, d_index_k=d_index_k, stream=stream, workspace=workspace,

@@ -51,7 +51,7 @@ def sm90(monkeypatch):
         calls.append(("flash_mla", (q, kv, indices), {"use_legacy": use_legacy}))
         return TK.sparse_attn_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
 
-    monkeypatch.setattr(cudnn_provider, "_dsa", lambda: fake_dsa)
+    monkeypatch.setattr(cudnn_provider, "dsa_wrappers", lambda: fake_dsa)
     monkeypatch.setattr(flashmla_provider, "_flash_mla",
                         lambda: types.SimpleNamespace(flash_mla_sparse_fwd=flash_mla_sparse_fwd))
     for module in (cudnn_provider, flashmla_provider):
