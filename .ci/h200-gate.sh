@@ -4,7 +4,7 @@
 # (cases.suites.gpu_subset: every case of <= 256 buffer rows + the 2 smallest ratio-128 cases, 58 cases, r128
 # first), then the rest of the suite smallest first. No case starts after SECONDS (--budget-s: the end row lists
 # the cases not run); results stream to $OUT/gate/results.jsonl, so even a hard kill keeps every finished case.
-# Workers: --workers ${WORKERS:-auto} (auto: up to 4 per GPU; the gate is host-bound by JIT compiles and draws).
+# Workers: --workers ${WORKERS:-auto} (auto: up to 6 per GPU; the gate is host-bound by JIT compiles and draws).
 # Usage: [WORKERS=N] bash .ci/h200-gate.sh [SECONDS]
 set -uo pipefail
 export PYTHONUNBUFFERED=1

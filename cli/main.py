@@ -59,7 +59,7 @@ examples:
   dsv4-parity run --case '{"config": {...}, "layout": {...}}'
   dsv4-parity run --suite smoke --oracle thd-pack --impl reference
   dsv4-parity run --out reports/out/latest --resume   # continue a killed run (as it was recorded)
-  dsv4-parity run --suite nightly --workers auto      # up to 4 workers per visible GPU, one merged results.jsonl
+  dsv4-parity run --suite nightly --workers auto      # up to 6 workers per visible GPU, one merged results.jsonl
 
 outcomes: pass, fail (numeric or structural), error (exception, CUDA fault, crashed worker), unsupported (the
 implementation declined the case, or it needs a GPU). The exit code is 1 iff a case failed or errored.

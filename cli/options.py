@@ -66,7 +66,7 @@ def add_output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case in a worker (default 1800)")
     p.add_argument("--workers", default="1", metavar="N|auto",
                    help="worker processes sharing the cases (default 1 = as without sharding); auto = on CUDA "
-                        "GPUs x clamp(cores // (4 x GPUs), 1, 4), e.g. 4 on one GPU with 16 cores (a GPU sweep is "
+                        "GPUs x clamp(cores // (2 x GPUs), 1, 6), e.g. 6 on one GPU with 16 cores (a GPU sweep is "
                         "host-bound: kernel JIT and tensor draws), 1 on CPU. On CUDA each worker is pinned to one "
                         "GPU (CUDA_VISIBLE_DEVICES), several share a GPU round-robin, and a case that runs out of "
                         "GPU memory while sharing is re-run once alone on its GPU; on CPU each uses one thread. "

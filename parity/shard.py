@@ -2,8 +2,8 @@
 
 ``dsv4-parity run --workers N|auto`` starts ``N`` worker processes (:class:`parity.worker.WorkerPool`):
 
-* **auto** (:func:`auto_workers`) = on CUDA ``gpus × per_gpu`` with ``per_gpu = clamp(cores // (4 × gpus), 1, 4)``
-  (16 cores and one GPU: 4 workers; 2 cores: 1), else 1. Several workers per GPU because a GPU sweep is host-bound
+* **auto** (:func:`auto_workers`) = on CUDA ``gpus × per_gpu`` with ``per_gpu = clamp(cores // (2 × gpus), 1, 6)``
+  (16 cores and one GPU: 6 workers; 2 cores: 1), else 1. Several workers per GPU because a GPU sweep is host-bound
   (first-call kernel JIT compiles, CPU-side tensor draws) while the GPU mostly idles; a case that runs out of GPU
   memory while sharing its GPU is re-run alone on it (:class:`parity.worker.WorkerPool`). With one worker nothing
   changes: the cases run in suite order, in-process on CPU and in one unpinned child on CUDA (as before
@@ -100,9 +100,11 @@ def _cuda_tokens() -> list[str]:
     return visible_cuda_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), count)
 
 
-#: ``auto`` on CUDA: at most this many workers per GPU, and at least this many cores per worker.
-AUTO_MAX_PER_GPU = 4
-AUTO_CORES_PER_WORKER = 4
+#: ``auto`` on CUDA: at most this many workers per GPU, and at least this many cores per worker. Measured on the
+#: H200 (16 cores, one GPU; ``bench --sections gate``, ``reports/baselines/h200/bench/``): the warm PR gate took 184 s
+#: with 4 workers, 159 s with 6, 164 s with 8 (the same 197 pass / 23 unsupported each time).
+AUTO_MAX_PER_GPU = 6
+AUTO_CORES_PER_WORKER = 2
 #: drawing threads of a multi-worker CUDA worker, in units of its intra-op share (capped at the machine's cores).
 #: The draws are CPU-bound float64 normals while the workers mostly take turns on the GPU, so each worker's draws
 #: may borrow its peers' cores: the warm H200 gate (16 cores, 4 workers) took 236 s with 4 drawing threads per
@@ -111,15 +113,16 @@ DRAW_THREADS_PER_SHARE = 2
 
 
 def auto_workers(device: str, gpus: int, cores: int) -> int:
-    """The ``--workers auto`` count: on CUDA ``gpus × per_gpu``, ``per_gpu = clamp(cores // (4 × gpus), 1, 4)``;
+    """The ``--workers auto`` count: on CUDA ``gpus × per_gpu``, ``per_gpu = clamp(cores // (2 × gpus), 1, 6)``;
     on CPU (or with no visible GPU) 1.
 
     Why several workers per GPU: a GPU sweep such as ``gate`` is host-bound, not GPU-bound. Its time goes to
     first-call CuTe-DSL JIT compiles (tens of kernels at 5-17 s each, single-threaded; ``fused.kernels.compile_cache``
     lets the workers compile each once and later runs load them) and to ~1 s of CPU-side tensor draws per case, while the GPU mostly idles;
-    more processes per GPU overlap that host work. The bounds: one worker per 4 cores at most (one per GPU at
+    more processes per GPU overlap that host work. The bounds: one worker per 2 cores at most (one per GPU at
     least), so each keeps cores for its draws and compiles (:func:`plan_slots` gives it ``cores // workers``
-    threads); at most 4 share one GPU, which bounds the GPU memory that concurrent cases hold (a case that still runs
+    threads, and its draws twice that); at most 6 share one GPU (past 6 the 16-core H200 host got slower again),
+    which bounds the GPU memory that concurrent cases hold (a case that still runs
     out of GPU memory while sharing is re-run alone on its GPU by :class:`parity.worker.WorkerPool`). On CPU one
     worker, as before: the cases are compute-bound there, so more processes would only split the same cores.
     """

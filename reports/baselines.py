@@ -2,7 +2,9 @@
 
 * ``metrics.csv`` — the run's per-case per-tensor metrics table (schema: ``reports/SCHEMA.md``).
 * ``env.json``    — where it came from: ``run_id``, ``suite``, ``impl``, ``against``, ``provider``, ``started``,
-  ``counts``, ``arch``, ``env`` (python / torch / cuda / cudnn / cudnn_frontend / flash_mla / gpu / driver / git_rev).
+  ``counts``, ``arch``, ``env`` (python / torch / cuda / cudnn / cudnn_frontend / flash_mla / gpu / driver / git_rev)
+  and, when the run row has one, ``impl_info`` (the implementation's self-description, e.g. ``--impl megatron``'s
+  revision, provider, stand-ins and kernel versions).
 * ``gate.json``   — optional :class:`reports.drift.GateConfig` overrides for comparisons against this baseline.
 
 ``<arch>`` is :func:`arch_of` the run's GPU (``cpu`` without one, ``h200`` for "NVIDIA H200", ...). Library versions
@@ -58,13 +60,16 @@ def arch_of(env: dict[str, Any] | None) -> str:
 
 def provenance(run: dict[str, Any], counts: dict[str, int], complete: bool,
                end: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``env.json`` of a baseline: the run row's identity and environment, the case counts; for a run its time
-    budget stopped (``--budget-s``), ``not_run`` = the number of selected cases it did not start."""
+    """``env.json`` of a baseline: the run row's identity and environment (and the implementation's
+    ``impl_info``: revision, provider, stand-ins), the case counts; for a run its time budget stopped
+    (``--budget-s``), ``not_run`` = the number of selected cases it did not start."""
     env = run.get("env") if isinstance(run.get("env"), dict) else {}
     out = {"run_id": run.get("run_id"), "suite": run.get("suite"), "impl": run.get("impl"),
            "against": run.get("against"), "provider": run.get("provider"), "started": run.get("started"),
            "argv": run.get("argv"), "counts": counts, "complete": complete, "arch": arch_of(env),
            "schema_version": CSV_SCHEMA_VERSION, "env": env}
+    if isinstance(run.get("impl_info"), dict):
+        out["impl_info"] = run["impl_info"]
     if end and end.get("not_run"):
         out["not_run"] = len(end["not_run"])
     return out

@@ -37,15 +37,16 @@ def test_bad_workers_values_name_the_field(value):
 
 
 @pytest.mark.parametrize("device, cores, gpus, expected", [
-    ("cuda", 2, 1, 1),     # too few cores for a second worker: 2 // 4 = 0, clamped up to 1 per GPU
-    ("cuda", 4, 1, 1),
-    ("cuda", 8, 1, 2),
-    ("cuda", 16, 1, 4),    # the H100 / H200 machines: 4 workers share the GPU
-    ("cuda", 64, 1, 4),    # at most 4 per GPU, however many cores
-    ("cuda", 16, 2, 4),    # 2 per GPU
-    ("cuda", 12, 3, 3),    # 1 per GPU
-    ("cuda", 64, 8, 16),
-    ("cuda", 128, 8, 32),  # 4 per GPU on an 8-GPU host
+    ("cuda", 1, 1, 1),     # too few cores for a second worker: 1 // 2 = 0, clamped up to 1 per GPU
+    ("cuda", 2, 1, 1),
+    ("cuda", 4, 1, 2),
+    ("cuda", 8, 1, 4),
+    ("cuda", 16, 1, 6),    # the H100 / H200 machines: 6 workers share the GPU (measured best of 4 / 6 / 8)
+    ("cuda", 64, 1, 6),    # at most 6 per GPU, however many cores
+    ("cuda", 16, 2, 8),    # 4 per GPU
+    ("cuda", 6, 3, 3),     # 1 per GPU
+    ("cuda", 64, 8, 32),
+    ("cuda", 128, 8, 48),  # 6 per GPU on an 8-GPU host
     ("cuda", 16, 0, 1),    # no visible GPU
     ("cpu", 16, 0, 1),     # CPU: one worker, as before
     ("cpu", 128, 8, 1),
@@ -56,11 +57,12 @@ def test_auto_workers_per_gpu_follow_the_cores(device, cores, gpus, expected):
     assert shard.resolve_workers("auto", device, tokens=tokens, cpu_count=cores) == expected
 
 
-def test_auto_on_one_gpu_shares_it_with_four_threads_each():
+def test_auto_on_one_gpu_shares_it_with_two_threads_each():
     workers = shard.resolve_workers("auto", "cuda", tokens=["3"], cpu_count=16)
     slots = shard.plan_slots(workers, "cuda", tokens=["3"], cpu_count=16)
-    assert [s.device for s in slots] == ["cuda:3"] * 4
-    assert {s.env["CUDA_VISIBLE_DEVICES"] for s in slots} == {"3"} and {s.threads for s in slots} == {4}
+    assert [s.device for s in slots] == ["cuda:3"] * 6
+    assert {s.env["CUDA_VISIBLE_DEVICES"] for s in slots} == {"3"} and {s.threads for s in slots} == {2}
+    assert {s.env["DSV4_PARITY_DRAW_THREADS"] for s in slots} == {"4"}  # draws on twice the worker's share
 
 
 def test_explicit_and_cpu_worker_counts():

@@ -62,6 +62,19 @@ def test_another_implementations_run_has_its_own_default_baseline(runs, tmp_path
     assert default_baseline(data, tmp_path) == "cpu/smoke"
 
 
+def test_the_baseline_records_the_implementations_revision_and_stand_ins(runs, tmp_path):
+    """``env.json`` keeps the run row's ``impl_info`` (Megatron's revision, provider, stand-ins) when there is one."""
+    production = load_run(runs["base"])
+    info = {"revision": "snapshot megatron-lm-dev-d48bd6be0a", "provider": "cudnn", "standins": ["flash_mla bridge"]}
+    production.run["impl_info"] = info
+    env = json.loads((save_baseline(production, metrics_table(production), "m", root=tmp_path) / "env.json").read_text())
+    assert env["impl_info"] == info
+    # negative control: a run row without one records none
+    env = json.loads((save_baseline(load_run(runs["base"]), metrics_table(production), "f", root=tmp_path)
+                      / "env.json").read_text())
+    assert "impl_info" not in env
+
+
 def test_a_run_directory_serves_as_baseline(runs, tmp_path):
     baseline = load_baseline(str(runs["base"]), root=tmp_path)
     assert baseline.env["run_id"] == "base" and len(baseline.table) > 0
