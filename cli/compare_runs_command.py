@@ -13,7 +13,7 @@ def command(args: argparse.Namespace) -> int:
     except (RunsError, OSError) as exc:
         print(f"dsv4-parity compare-runs: error: {exc}", file=sys.stderr)
         return 2
-    agreement = compare(a, b, rel_tol=args.rel_tol, common_only=args.common_only)
+    agreement = compare(a, b, rel_tol=args.rel_tol, common_only=args.common_only, verdicts_only=args.verdicts)
     for line in report(agreement, a, b, show=args.show):
         print(line)
     return 0 if agreement.ok else 1
@@ -28,6 +28,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("b", help="run directory or results.jsonl (e.g. the --workers N run)")
     p.add_argument("--rel-tol", type=float, default=0.0,
                    help="relative tolerance on metric values (default 0: bit-identical)")
+    p.add_argument("--verdicts", action="store_true",
+                   help="compare outcomes and per-tensor verdicts only, not metric values or which rule decided: "
+                        "for two GPU runs, whose atomics change values (and so the deciding rule of a passing "
+                        "tensor) from run to run")
     p.add_argument("--common-only", action="store_true",
                    help="judge only the cases both runs finished (time-limited or killed runs)")
     p.add_argument("--show", type=int, default=20, help="differences listed (default 20)")

@@ -11,7 +11,9 @@ produce, for every case, exactly what a single-worker run produces. For each cas
   ``threshold``, ``passed``;
 
 and ignores what legitimately differs: ``duration_s``, ``worker``, ``device``, ``repro``, the ``run`` row, the order
-of the cases in the file. Cases present in one run only, a run without its ``end`` row (killed) and a case written
+of the cases in the file. ``verdicts_only`` compares what a gate decides and nothing of how: per case ``outcome``,
+``plan`` and ``features``, per tensor its identity and ``verdict`` — for two runs of a GPU whose kernels accumulate
+with atomics (run-to-run different values, so the deciding rule of a passing tensor may change too). Cases present in one run only, a run without its ``end`` row (killed) and a case written
 twice are reported too; ``common_only`` restricts the verdict to the cases both runs finished (time-limited runs).
 
 The summary also prints each run's wall time, worker count and per-worker busy time, the numbers behind the
@@ -28,6 +30,9 @@ from typing import Any, Optional
 
 CASE_FIELDS = ("outcome", "decided_by", "first_failure", "message", "plan", "topk", "features")
 TENSOR_FIELDS = ("tensor_class", "dtype", "shape", "verdict", "rule")
+#: the fields ``verdicts_only`` compares (no values, no deciding rule)
+VERDICT_CASE_FIELDS = ("outcome", "plan", "features")
+VERDICT_TENSOR_FIELDS = ("tensor_class", "dtype", "shape", "verdict")
 
 
 from .results import StreamError, read_stream
@@ -133,12 +138,13 @@ def _error_kind(message: Any) -> Any:
     return message.split(": ", 1)[0] if isinstance(message, str) else message
 
 
-def compare_case(cid: str, a: RunRecord, b: RunRecord, rel_tol: float = 0.0) -> list[Difference]:
+def compare_case(cid: str, a: RunRecord, b: RunRecord, rel_tol: float = 0.0,
+                 verdicts_only: bool = False) -> list[Difference]:
     """Every difference between the two runs' results for case ``cid`` (see the module docstring)."""
     out = []
     ca, cb = a.cases[cid], b.cases[cid]
     errors = ca.get("outcome") == "error" and cb.get("outcome") == "error"
-    for name in CASE_FIELDS:
+    for name in VERDICT_CASE_FIELDS if verdicts_only else CASE_FIELDS:
         va, vb = ca.get(name), cb.get(name)
         if errors and name == "message":
             va, vb = _error_kind(va), _error_kind(vb)
@@ -152,9 +158,11 @@ def compare_case(cid: str, a: RunRecord, b: RunRecord, rel_tol: float = 0.0) -> 
         if tensor not in ta or tensor not in tb:
             out.append(Difference(cid, f"tensor {tensor}", tensor in ta, tensor in tb))
             continue
-        for name in TENSOR_FIELDS:
+        for name in VERDICT_TENSOR_FIELDS if verdicts_only else TENSOR_FIELDS:
             if ta[tensor].get(name) != tb[tensor].get(name):
                 out.append(Difference(cid, f"tensor {tensor}: {name}", ta[tensor].get(name), tb[tensor].get(name)))
+    if verdicts_only:
+        return out
     ma, mb = a.metrics.get(cid, {}), b.metrics.get(cid, {})
     for key in sorted(set(ma) | set(mb)):
         label = f"metric {key[0]}.{key[1]}"
@@ -170,10 +178,11 @@ def compare_case(cid: str, a: RunRecord, b: RunRecord, rel_tol: float = 0.0) -> 
     return out
 
 
-def compare(a: RunRecord, b: RunRecord, *, rel_tol: float = 0.0, common_only: bool = False) -> Agreement:
+def compare(a: RunRecord, b: RunRecord, *, rel_tol: float = 0.0, common_only: bool = False,
+            verdicts_only: bool = False) -> Agreement:
     """Case-by-case agreement of two runs."""
     common = [cid for cid in a.cases if cid in b.cases]
-    differences = [d for cid in common for d in compare_case(cid, a, b, rel_tol)]
+    differences = [d for cid in common for d in compare_case(cid, a, b, rel_tol, verdicts_only)]
     problems = []
     for label, rec in (("A", a), ("B", b)):
         if rec.end is None:

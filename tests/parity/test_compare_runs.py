@@ -78,6 +78,25 @@ def test_each_compared_field_is_told_apart(single, tmp_path, change, what):
     assert not got.ok and {d.what for d in got.differences} == {what}
 
 
+def test_verdicts_only_ignores_values_and_the_deciding_rule_but_not_a_verdict(single, tmp_path, capsys):
+    """Two GPU runs: other values, another rule decided a passing tensor — the same verdicts (and a flip is not)."""
+    rows = case_rows("a", value=0.5)
+    rows[1].update(rule="noise_floor")
+    rows[0].update(decided_by="noise_floor")
+    other = write(tmp_path / "gpu", [rows, case_rows("b", value=4e-7), case_rows("c", outcome="fail")])
+    assert not compare(load(single), load(other)).ok  # the default is bit-identical
+    got = compare(load(single), load(other), verdicts_only=True)
+    assert got.ok and got.compared == 3
+    assert main(["compare-runs", "--verdicts", str(single), str(other)]) == 0
+    assert "AGREE" in capsys.readouterr().out
+    # negative controls: a tensor verdict or an outcome that flips is still a difference
+    flipped = case_rows("a")
+    flipped[1].update(verdict="fail")
+    other = write(tmp_path / "flip", [flipped, case_rows("b", value=3e-7), case_rows("c", outcome="pass")])
+    got = compare(load(single), load(other), verdicts_only=True)
+    assert {(d.case_id, d.what) for d in got.differences} == {("a", "tensor out: verdict"), ("c", "outcome")}
+
+
 def test_a_different_case_set_and_a_killed_run_differ(single, tmp_path):
     fewer = write(tmp_path / "fewer", [case_rows("a"), case_rows("b", value=3e-7)], end=False)
     got = compare(load(single), load(fewer))
