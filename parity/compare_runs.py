@@ -14,7 +14,8 @@ and ignores what legitimately differs: ``duration_s``, ``worker``, ``device``, `
 of the cases in the file. ``verdicts_only`` compares what a gate decides and nothing of how: per case ``outcome``,
 ``plan`` and ``features``, per tensor its identity and ``verdict`` — for two runs of a GPU whose kernels accumulate
 with atomics (run-to-run different values, so the deciding rule of a passing tensor may change too). Cases present
-in one run only, a run without its ``end`` row (killed) and a case written twice are reported too; ``common_only`` restricts the verdict to the cases both runs finished (time-limited runs).
+in one run only, a run without its ``end`` row (killed) and a case written twice are reported too; ``common_only``
+restricts the verdict to the cases both runs finished (time-limited runs).
 
 The summary also prints each run's wall time, worker count and per-worker busy time, the numbers behind the
 throughput claim (informational: speed is reported, never asserted).
