@@ -25,8 +25,19 @@ def _render_report(out_dir: Path) -> Optional[str]:
     return None
 
 
+#: options of the fused mutation suite that --impl megatron has no use for (each mutant runs on its own cases)
+FUSED_ONLY = (("suite", None, "--suite"), ("case", [], "--case"), ("case_id", [], "--case-id"),
+              ("limit", None, "--limit"), ("keep_going", False, "--keep-going"), ("device", "auto", "--device"),
+              ("policy", None, "--policy"))
+
+
 def cmd_mutants(args: argparse.Namespace) -> int:
     if args.impl == "megatron":  # real-code mutants: patches to a scratch copy of Megatron-LM
+        unused = [flag for name, default, flag in FUSED_ONLY if getattr(args, name, default) != default]
+        if unused:
+            print(f"error: {', '.join(unused)}: not used with --impl megatron (each mutant runs on its own cases, "
+                  "`--list` shows them; --provider picks the plan)", file=sys.stderr)
+            return 2
         return megatron_mutants(args)
     registered = list(mutants.registered())
     if args.list:
@@ -85,7 +96,8 @@ def add_parsers(sub) -> dict:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run")
     p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
     p.add_argument("--out", default=str(DEFAULT_OUT),
-                   help=f"run directory: results.jsonl of the clean run + {MUTANTS_NAME} (default {DEFAULT_OUT})")
+                   help=f"run directory: results.jsonl of the clean run + {MUTANTS_NAME} (default {DEFAULT_OUT}); "
+                        f"--impl megatron writes {MUTANTS_NAME} only, a row per mutant as it is judged")
     p.add_argument("--no-report", action="store_true", help="do not render index.html")
     p.add_argument("--quiet", action="store_true", help="no per-case lines during the clean run")
     p.set_defaults(func=cmd_mutants)

@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ from adapters.megatron.source import MegatronSourceError, locate
 from cases.suites import load_suite
 from parity.engine import RunOptions, configure_torch, run_case
 from parity.impls import load
+from parity.mutation_suite import DEFAULT_OUT, MUTANTS_NAME
 
 VARIANT = "megatron/core/transformer/experimental_attention_variant"
 FUSED = f"{VARIANT}/csa_utils/fused_sparse_attention.py"
@@ -167,7 +168,9 @@ def _child(tree: str, jobs: list, plan: dict) -> list:
     out = []
     for provider, case_id in jobs:
         r = run_case(cases[case_id], impl, ref, RunOptions(impl="megatron", provider=provider, device=plan["device"]))
-        out.append({"case_id": case_id, "provider": provider, "outcome": r.outcome, "message": r.message[:300]})
+        first = r.first_failure or {}
+        out.append({"case_id": case_id, "provider": provider, "outcome": r.outcome, "message": r.message[:300],
+                    "tensor": first.get("tensor"), "check": first.get("rule")})
     return out
 
 
@@ -248,6 +251,24 @@ class Outcome:
     provider: Optional[str] = None
     message: str = ""
     seconds: float = 0.0
+    tensor: Optional[str] = None  # killed: the first failing tensor of the killing case, and the rule that failed it
+    check: Optional[str] = None
+
+    def row(self, plan: "Plan") -> dict:
+        """One ``mutants.jsonl`` row: the kill matrix's fields (``reports.mutants``; ``status`` folded into
+        killed / survived / unreachable) and this suite's own (``detail`` = the status above, where, message)."""
+        folded = self.status if self.status in ("killed", "survived") else "unreachable"
+        return {"mutant": self.name, "status": folded, "case_id": self.case_id, "tensor": self.tensor,
+                "check": self.check, "detail": self.status, "impl": "megatron", "provider": self.provider,
+                "plan": f"{plan.provider or 'cpu'} ({plan.arch})", "message": self.message,
+                "seconds": round(self.seconds, 1)}
+
+
+def write_row(path: Path, outcome: Outcome, plan: "Plan") -> None:
+    """Append ``outcome`` to ``path`` (written per mutant: a killed run keeps the mutants it judged)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(outcome.row(plan), separators=(",", ":")) + "\n")
 
 
 def jobs_of(mutant: Mutant) -> list:
@@ -255,11 +276,17 @@ def jobs_of(mutant: Mutant) -> list:
 
 
 def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=print,
-              plan: Plan = CPU_PLAN) -> list[Outcome]:
+              plan: Plan = CPU_PLAN, record: Optional[Callable[[Outcome], None]] = None) -> list[Outcome]:
     """The clean tree once, then every mutant of ``plan`` (in its own scratch copy and process). A mutant declared
     unreachable at the plan's capability is not patched: its cases must be ``unsupported`` on the clean tree
-    (``not reachable``), else the declaration is wrong (``reachable after all``)."""
+    (``not reachable``), else the declaration is wrong (``reachable after all``). ``record`` gets each outcome as it
+    is judged (and ``echo`` its line)."""
     chosen = [m for m in MUTANTS if (not names or m.name in names) and plan.covers(m)]
+    def tell(outcome: Outcome) -> None:
+        echo(describe(outcome))
+        if record is not None:
+            record(outcome)
+
     with tempfile.TemporaryDirectory(prefix="dsv4-megatron-mutants-") as tmp:
         clean_jobs = sorted({job for m in chosen for job in plan.jobs(m)})
         clean = {(r["provider"], r["case_id"]): r
@@ -273,11 +300,11 @@ def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=pri
             why = plan.unreachable(mutant)
             if plan.provider is not None and not mutant.gpu_cases:
                 outcomes.append(Outcome(mutant.name, "no gate case", message=mutant.no_gate_case))
-                echo(describe(outcomes[-1]))
+                tell(outcomes[-1])
                 continue
             if why is not None:
                 outcomes.append(_unreachable(mutant, why, [clean[job] for job in plan.jobs(mutant)], plan))
-                echo(describe(outcomes[-1]))
+                tell(outcomes[-1])
                 continue
             work = Path(tempfile.mkdtemp(prefix=f"{mutant.name}-", dir=tmp))
             tree = scratch_copy(source_root, work)
@@ -285,7 +312,7 @@ def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=pri
                 apply(tree, mutant)
             except PatchError as exc:
                 outcomes.append(Outcome(mutant.name, "not applied", message=str(exc)))
-                echo(describe(outcomes[-1]))
+                tell(outcomes[-1])
                 continue
             jobs = [job for job in plan.jobs(mutant) if clean[job]["outcome"] == "pass"]
             if not jobs:
@@ -293,7 +320,7 @@ def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=pri
             else:
                 outcomes.append(_judge(mutant, plan.providers(mutant), jobs, run_child(tree, jobs, plan.child())))
             outcomes[-1].seconds = time.perf_counter() - start
-            echo(describe(outcomes[-1]))
+            tell(outcomes[-1])
             shutil.rmtree(work, ignore_errors=True)
     return outcomes
 
@@ -308,7 +335,8 @@ def _judge(mutant: Mutant, providers: Sequence[str], jobs: list, results: list) 
     first = next(iter(kills.values()), None)
     return Outcome(mutant.name, "survived" if missed else "killed",
                    ", ".join(f"{r['case_id']} ({p})" for p, r in kills.items()) or None, ",".join(kills),
-                   f"not killed on {', '.join(missed)} ({len(jobs)} runs)" if missed else first["message"])
+                   f"not killed on {', '.join(missed)} ({len(jobs)} runs)" if missed else first["message"],
+                   tensor=None if missed else first.get("tensor"), check=None if missed else first.get("check"))
 
 
 def _unreachable(mutant: Mutant, why: str, clean: list, plan: Plan) -> Outcome:
@@ -399,8 +427,11 @@ def main(args: argparse.Namespace) -> int:
         if not any(plan.covers(m) for m in MUTANTS if not args.mutant or m.name in args.mutant):
             print("error: --mutant: none of the chosen mutants is in the fused path", file=sys.stderr)
             return 2
-    outcomes = run_suite(source.root, args.mutant, plan=plan)
+    out = Path(getattr(args, "out", None) or DEFAULT_OUT) / MUTANTS_NAME
+    out.unlink(missing_ok=True)  # never leave a previous run's rows next to this run's
+    outcomes = run_suite(source.root, args.mutant, plan=plan, record=lambda o: write_row(out, o, plan))
     line, ok = summary(outcomes, plan)
+    print(f"results: {out}")
     print(line)
     return 0 if ok else 1
 

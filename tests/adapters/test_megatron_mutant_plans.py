@@ -7,6 +7,7 @@ patch survives; a mutant declared unreachable must be refused on the clean tree)
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -178,3 +179,54 @@ def test_a_fused_mutant_without_a_gate_case_is_reported_and_not_killed(monkeypat
     assert [(o.name, o.status) for o in outcomes] == [(m.name, "no gate case")]
     assert m.no_gate_case in lines[-1]
     assert mm.summary(outcomes, mm.preview_plan((9, 0)))[1] is False
+
+
+# ---- what a run leaves behind -----------------------------------------------------------------------------------
+def test_the_outcomes_stream_into_the_kill_matrix_of_out(monkeypatch, tmp_path, capsys):
+    """``--out DIR``: one ``mutants.jsonl`` row per mutant as it is judged, readable as the report's kill matrix
+    (statuses folded into killed / survived / unreachable, the suite's own kept in ``detail``); a previous run's rows
+    are not kept (negative control: the stale row is gone)."""
+    from cli.main import main
+    from reports.mutants import load_mutants
+
+    out = tmp_path / "mut"
+    out.mkdir()
+    (out / "mutants.jsonl").write_text('{"mutant": "stale", "status": "survived"}\n')
+    judged = [mm.Outcome("a", "killed", "eb6b0817dc4e", "cudnn", "grad/x: noise_floor_ratio 83 fails <= 3",
+                         tensor="grad/x", check="noise_floor"),
+              mm.Outcome("b", "not reachable", "b5e73394500d", message="on sm90: refused"),
+              mm.Outcome("c", "survived", message="not killed on cudnn (1 runs)")]
+    seen = []
+
+    def fake_suite(root, names, echo=print, plan=mm.CPU_PLAN, record=None):
+        for o in judged:  # the file holds each outcome before the next mutant runs
+            record(o)
+            seen.append(sum(1 for _ in (out / "mutants.jsonl").open()))
+        return judged
+
+    monkeypatch.setattr(mm, "locate", lambda path=None: type("S", (), {"root": tmp_path, "revision": "test"})())
+    monkeypatch.setattr(mm, "run_suite", fake_suite)
+    assert main(["mutants", "--impl", "megatron", "--out", str(out)]) == 1  # c survived
+    assert seen == [1, 2, 3]
+    report = load_mutants(out)
+    assert dict(zip(report.mutants["mutant"], report.mutants["status"])) == {
+        "a": "killed", "b": "unreachable", "c": "survived"}
+    assert report.matrix.loc["a", "grad/x"] == 1
+    rows = [json.loads(line) for line in (out / "mutants.jsonl").read_text().splitlines()]
+    assert [r["detail"] for r in rows] == ["killed", "not reachable", "survived"]
+    assert f"results: {out / 'mutants.jsonl'}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", [["--case-id", "eb6b0817dc4e"], ["--suite", "gate"], ["--limit", "2"],
+                                  ["--keep-going"], ["--device", "cuda"], ["--policy", "p.json"]])
+def test_options_of_the_fused_suite_are_refused_with_megatron(monkeypatch, capsys, flag):
+    """Each mutant runs on its own cases: a selection flag would be silently ignored, so it is an error naming it."""
+    import cli.mutants_command as command
+    from cli.main import main
+
+    calls = []
+    monkeypatch.setattr(command, "megatron_mutants", lambda args: calls.append(args) or 0)
+    assert main(["mutants", "--impl", "megatron", *flag]) == 2
+    assert f"{flag[0]}: not used with --impl megatron" in capsys.readouterr().err and not calls
+    # negative control: without it the megatron suite is called
+    assert main(["mutants", "--impl", "megatron", "--provider", "emulated"]) == 0 and len(calls) == 1
