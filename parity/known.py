@@ -26,7 +26,8 @@ Entry fields::
                   ``compressed_rows`` ("none" | "some"), ``padding_rows`` (bool: alignment padding or a dummy tail) and
                   ``kl_support`` ("trivial" | "some": whether some real row sees two compressed keys)
     expect        {"error": regex} for a crash, or {"tensors": [fnmatch patterns]} for failing tensors
-    cases         (optional) ids of suite cases that reproduce the entry (its test)
+    cases         ids of ``smoke`` (else ``nightly``) cases that reproduce the entry on a CPU provider (its test;
+                  required when a CPU provider is listed, optional for a GPU-only entry)
 """
 
 from __future__ import annotations

@@ -77,6 +77,8 @@ def _run(case_ids, provider):
     from parity.impls import load
 
     cases = {c.id: c for c in load_suite("smoke")}
+    if not set(case_ids) <= set(cases):  # a registry entry's cases come from smoke, else from nightly
+        cases.update({c.id: c for c in load_suite("nightly")})
     impl, ref = load("megatron"), load("reference")
     options = RunOptions(impl="megatron", provider=provider, device="cpu")
     return {cid: run_case(cases[cid], impl, ref, options) for cid in case_ids}
@@ -104,8 +106,36 @@ def _entries():
     return json.loads(REGISTRY.read_text())["entries"]
 
 
+#: the providers ``make test`` runs (the cudnn provider needs the GPU)
+CPU_PROVIDERS = ("unfused", "emulated")
+
+
+def _without_evidence(entry, known_ids):
+    """Why ``entry`` would escape the reproduction test below (None: it would not)."""
+    if not (set(entry["providers"]) & set(CPU_PROVIDERS) or "*" in entry["providers"]):
+        return None  # the GPU provider alone: recorded from an H200 run
+    if not entry.get("cases"):
+        return "lists a CPU provider but names no case"
+    missing = set(entry["cases"]) - known_ids
+    return f"cases {sorted(missing)} are in no suite" if missing else None
+
+
+def test_every_entry_a_cpu_provider_shows_names_the_cases_that_reproduce_it():
+    """An entry without cases would never be reproduced by the test below: a claim, not evidence."""
+    from cases.suites import load_suite
+
+    known_ids = {c.id for suite in ("smoke", "nightly") for c in load_suite(suite)}
+    assert {e["id"]: _without_evidence(e, known_ids) for e in _entries()
+            if _without_evidence(e, known_ids)} == {}
+    # negative controls: an empty or stale case list on a CPU entry is caught; a GPU-only entry is exempt
+    cpu = {"providers": ["unfused"], "cases": []}
+    assert _without_evidence(cpu, known_ids) == "lists a CPU provider but names no case"
+    assert "in no suite" in _without_evidence({**cpu, "cases": ["9f03b4992e07"]}, known_ids)
+    assert _without_evidence({"providers": ["cudnn"]}, known_ids) is None
+
+
 @needs_megatron
-@pytest.mark.parametrize("provider", ["unfused", "emulated"])
+@pytest.mark.parametrize("provider", CPU_PROVIDERS)
 def test_every_registered_deviation_reproduces(provider):
     entries = [e for e in _entries() if provider in e["providers"]]
     ids = sorted({cid for e in entries for cid in e["cases"]})
