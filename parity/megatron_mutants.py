@@ -74,10 +74,6 @@ SM90_DENSE_LOSS = ("production's config validation refuses the r = 4 dense index
 
 #: why the THD compressor's offsets have no gate case: the small gate cases with a real segment after a padded one
 #: (the only ones where real and padded offsets differ for real rows) are not clean on production's fused path
-NO_CLEAN_SHIFTED_SEGMENT = ("the small gate cases with a real segment after a padded one (7971c6fed744, 6f068643940f) "
-                            "do not pass on the clean tree (production's padding-row gradient deviations, registered "
-                            "known or failing), so none can kill it; the CPU plan kills it on smoke cases")
-
 MUTANTS: tuple[Mutant, ...] = (
     # ---- the seed's three review bugs, in the fused THD code -----------------------------------------------------
     Mutant("thd_dense_bwd_no_max_seqlen", "fused THD dense-loss indexer backward called without max_seqlen_q/k",
@@ -121,7 +117,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "cu_seqlens", CSA,
            "            cu_seqlens = (\n                packed_seq_params.cu_seqlens_q_padded\n",
            "            cu_seqlens = (\n                packed_seq_params.cu_seqlens_q\n",
-           ("unfused", "emulated"), ("ab101a5d94c2", "f2ceea9c0311"), no_gate_case=NO_CLEAN_SHIFTED_SEGMENT),
+           # the smallest gate case with a real segment (>= r tokens) after a padded one that passes on the clean
+           # tree: the smaller ones fail production's padding-row contract (7971c6fed744, 6f068643940f) or have
+           # fewer than r tokens after the shift (05430d10668b: the mutant survives it)
+           ("unfused", "emulated"), ("ab101a5d94c2", "f2ceea9c0311"), gpu_cases=("7804f8058ac3",)),
     Mutant("fused_loss_coeff_ignored", "fused Path B: the indexer-loss coefficient read as 1",
            CSA, "indexer_loss_coeff = self.config.dsa_indexer_loss_coeff or 0.0",
            "indexer_loss_coeff = 1.0", ("emulated",),

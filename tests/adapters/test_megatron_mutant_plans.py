@@ -1,6 +1,6 @@
 """The real-code mutants' GPU plan (``dsv4-parity mutants --impl megatron --provider cudnn``): its catalogue is
 checkable without a GPU (every gate case it names is small: in ``gate-cpu``, or where no case of it kills the
-mutant, at most 160 rows), its verdicts follow the kill rule (a no-op
+mutant, at most 160 rows, but for the one mutant whose smallest clean case is larger), its verdicts follow the kill rule (a no-op
 patch survives; a mutant declared unreachable must be refused on the clean tree), and its CPU preview (the
 ``emulated`` provider declaring the H200's capability) kills a seed mutant on the cases the GPU runs."""
 
@@ -20,7 +20,11 @@ SEEDS = ("thd_dense_bwd_no_max_seqlen", "fake_bshd_view_over_batch", "invalid_co
 #: mutants no gate-cpu case can kill at sm90: the ones reaching their code (capacity-padded compressed rows; a real
 #: segment after a padded one) are not clean there — 6f068643940f and 62e39d92857d fail production's padding-row
 #: contract (padding_dout) on the clean tree, ff44cb580cf3 is a registered ``known`` — so their gate case is larger
-BEYOND_GATE_CPU = {"invalid_comp_rows_by_count"}
+BEYOND_GATE_CPU = {"invalid_comp_rows_by_count", "compressor_real_offsets"}
+#: the one mutant whose gate case exceeds 160 rows: the smaller gate cases with a real segment (>= r tokens) after a
+#: padded one are not clean (see parity/megatron_mutants.py); 7804f8058ac3 (1,124 rows) kills it in the sm90 preview
+#: (emulated, capability 9.0: clean pass, mutant grad/hidden on padding rows + 21 more tensors; 560 s on 2 cores)
+LARGER_GATE_CASE = {"compressor_real_offsets": 1124}
 
 
 def _mutant(name):
@@ -37,7 +41,7 @@ def test_every_fused_path_mutant_names_gate_cases_a_cpu_can_check():
         assert (1 <= len(m.gpu_cases) <= 2) != bool(m.no_gate_case), m.name
         assert set(m.gpu_cases) <= set(gate), m.name
         assert (set(m.gpu_cases) <= gate_cpu) == (m.name not in BEYOND_GATE_CPU or not m.gpu_cases), m.name
-        assert all(gate[c].layout.num_tokens <= 160 for c in m.gpu_cases), m.name
+        assert all(gate[c].layout.num_tokens <= LARGER_GATE_CASE.get(m.name, 160) for c in m.gpu_cases), m.name
     # only the fused path's mutants name gate cases (the unfused provider never runs on the real kernels)
     assert all(not (m.gpu_cases or m.unreachable or m.no_gate_case) for m in mm.MUTANTS
                if mm.FUSED_PATH not in m.providers)
@@ -172,7 +176,10 @@ def test_the_list_shows_each_fused_mutant_s_gate_cases_or_why_unreachable(capsys
 
 
 def test_a_fused_mutant_without_a_gate_case_is_reported_and_not_killed(monkeypatch, tmp_path):
-    m = _mutant("compressor_real_offsets")
+    import dataclasses
+
+    m = dataclasses.replace(_mutant("compressor_real_offsets"), gpu_cases=(),
+                            no_gate_case="no clean gate case reaches it")
     monkeypatch.setattr(mm, "MUTANTS", (m,))
     lines = []
     outcomes = mm.run_suite(tmp_path, echo=lines.append, plan=mm.preview_plan((9, 0)))
