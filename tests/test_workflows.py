@@ -169,3 +169,25 @@ def test_make_parity_is_unchanged_without_the_ci_hooks_and_passes_them_on():
     assert make_dry_run("drift", "OUT=out") == "python3 -m cli compare out --baseline auto"
     assert make_dry_run("summary", "OUT=out", "BASELINE=production") == (
         "python3 -m cli report out --format markdown --no-html --no-csv --baseline production")
+
+
+# ---- the H200 session scripts (.ci/*.sh: run on the device machine, never in CI) -----------------------------------
+CI_SCRIPTS = sorted((Path(__file__).resolve().parents[1] / ".ci").glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", CI_SCRIPTS, ids=lambda p: p.name)
+def test_the_device_scripts_parse(script):
+    """A script that only runs on the lent GPU must not first fail there on a typo (bash -n: syntax only)."""
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+def test_bash_n_catches_a_broken_script(tmp_path):
+    broken = tmp_path / "broken.sh"
+    broken.write_text("case x in\n  a) echo a ;;\n")  # no esac
+    assert subprocess.run(["bash", "-n", str(broken)], capture_output=True).returncode != 0
+
+
+def test_the_session_script_names_its_stages_when_called_without_one():
+    script = next(p for p in CI_SCRIPTS if p.name == "h200-session.sh")
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**os.environ, "OUT": "/tmp"})
+    assert done.returncode == 2 and "fused|megatron|extras" in done.stderr
