@@ -15,28 +15,29 @@ mkdir -p "$out"
 snapshot=$(ls .device/2/megatron-lm-dev-*.tar.gz 2>/dev/null | head -1)
 [ -n "${DSV4_MEGATRON:-}${DSV4_MEGATRON_SNAPSHOT:-}" ] || [ -z "$snapshot" ] || export DSV4_MEGATRON_SNAPSHOT="$PWD/$snapshot"
 start=$(date +%s)
-left() { echo $(( $1 - $(date +%s) + start )); }  # seconds of a stage's allowance still left
+left() { local n=$(( $1 - $(date +%s) + start )); echo $(( n > 1 ? n : 1 )); }  # seconds left of an allowance (>= 1)
 
 case "${1:-}" in
   fused)
-    timeout 560 python3 -m cli bench --sections gate --gate-runs cold,warm --gate-dir /tmp/h200-gate \
+    timeout -k 10 560 python3 -m cli bench --sections gate --gate-runs cold,warm --gate-dir /tmp/h200-gate \
       --gate-cache-dir "$HOME/.cache/dsv4-parity" --gate-budget-s 510 --json "$out/bench-h200-gate.json" --no-plot --quiet
     echo "h200-session fused: bench exit $?"
     for run in cold warm; do
       [ -f "/tmp/h200-gate/$run/results.jsonl" ] && cp "/tmp/h200-gate/$run/results.jsonl" "$out/gate-$run-results.jsonl"
     done
-    [ -f /tmp/h200-gate/warm/results.jsonl ] && timeout "$(left 590)" python3 -m cli compare /tmp/h200-gate/warm \
+    [ -f /tmp/h200-gate/warm/results.jsonl ] && timeout -k 5 "$(left 580)" python3 -m cli compare /tmp/h200-gate/warm \
       --baseline h200/gate | tail -16 ;;
   megatron)
     bash .ci/h200-megatron.sh gate 380
-    budget=$(( $(left 540) - 60 ))
+    # h200-megatron.sh stops its run at budget + 90 s, then updates the baseline (~30 s): end by 570 s of the 600
+    budget=$(( $(left 570) - 90 - 40 ))
     if [ "$budget" -gt 40 ]; then bash .ci/h200-megatron.sh production "$budget"
     else echo "h200-session megatron: no time left for the production suite"; fi ;;
   extras)
-    timeout 200 python3 -m cli bench --sections e2e --impl fused,megatron --profile kernel,pro --tokens 4K,16K,32K \
+    timeout -k 10 200 python3 -m cli bench --sections e2e --impl fused,megatron --profile kernel,pro --tokens 4K,16K,32K \
       --scope layer --provider cudnn --no-reference --budget-s 170 --json "$out/bench-megatron.json" --no-plot
     echo "h200-session extras: bench exit $?"
-    timeout "$(left 570)" python3 -m cli mutants --impl megatron --provider cudnn --out "$out/mutants"
+    timeout -k 10 "$(left 570)" python3 -m cli mutants --impl megatron --provider cudnn --out "$out/mutants"
     echo "h200-session extras: mutants exit $?" ;;
   *)
     echo "usage: bash .ci/h200-session.sh fused|megatron|extras" >&2; exit 2 ;;

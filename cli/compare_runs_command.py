@@ -8,6 +8,10 @@ import sys
 from parity.compare_runs import RunsError, compare, load, report
 
 def command(args: argparse.Namespace) -> int:
+    if args.verdicts and args.rel_tol:
+        print("dsv4-parity compare-runs: error: --verdicts compares no metric value, so --rel-tol would be ignored: "
+              "give one of them", file=sys.stderr)
+        return 2
     try:
         a, b = load(args.a), load(args.b)
     except (RunsError, OSError) as exc:

@@ -12,6 +12,7 @@ from cases.errors import CaseError
 from parity import mutants
 from parity.mutation_suite import DEFAULT_OUT, DESCRIPTION, MUTANTS_NAME, mutation_suite
 
+from parity.megatron_mutants import DEFAULT_OUT as MEGATRON_OUT
 from parity.megatron_mutants import main as megatron_mutants
 from cli.options import PROVIDERS, add_megatron_argument, add_selection_options, select_cases
 from cli.report_command import render_run
@@ -28,7 +29,7 @@ def _render_report(out_dir: Path) -> Optional[str]:
 #: options of the fused mutation suite that --impl megatron has no use for (each mutant runs on its own cases)
 FUSED_ONLY = (("suite", None, "--suite"), ("case", [], "--case"), ("case_id", [], "--case-id"),
               ("limit", None, "--limit"), ("keep_going", False, "--keep-going"), ("device", "auto", "--device"),
-              ("policy", None, "--policy"))
+              ("policy", None, "--policy"), ("quiet", False, "--quiet"), ("no_report", False, "--no-report"))
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
@@ -55,7 +56,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out_dir = Path(args.out)
+    out_dir = Path(args.out or DEFAULT_OUT)
     start = time.perf_counter()
     counts, outcomes = mutation_suite(cases, names, out_dir, suite=label, provider=args.provider,
                                       device=args.device, policy_path=args.policy, keep_going=args.keep_going,
@@ -95,9 +96,10 @@ def add_parsers(sub) -> dict:
                         "the H200; 10.0 for sm100)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run")
     p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
-    p.add_argument("--out", default=str(DEFAULT_OUT),
+    p.add_argument("--out",
                    help=f"run directory: results.jsonl of the clean run + {MUTANTS_NAME} (default {DEFAULT_OUT}); "
-                        f"--impl megatron writes {MUTANTS_NAME} only, a row per mutant as it is judged")
+                        f"--impl megatron writes {MUTANTS_NAME} only, a row per mutant as it is judged (default "
+                        f"{MEGATRON_OUT})")
     p.add_argument("--no-report", action="store_true", help="do not render index.html")
     p.add_argument("--quiet", action="store_true", help="no per-case lines during the clean run")
     p.set_defaults(func=cmd_mutants)

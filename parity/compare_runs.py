@@ -12,7 +12,7 @@ produce, for every case, exactly what a single-worker run produces. For each cas
 
 and ignores what legitimately differs: ``duration_s``, ``worker``, ``device``, ``repro``, the ``run`` row, the order
 of the cases in the file. ``verdicts_only`` compares what a gate decides and nothing of how: per case ``outcome``,
-``plan`` and ``features``, per tensor its identity and ``verdict`` — for two runs of a GPU whose kernels accumulate
+``plan`` and ``features`` (of two errors, the kind of error), per tensor its identity and ``verdict`` — for two runs of a GPU whose kernels accumulate
 with atomics (run-to-run different values, so the deciding rule of a passing tensor may change too). Cases present
 in one run only, a run without its ``end`` row (killed) and a case written twice are reported too; ``common_only``
 restricts the verdict to the cases both runs finished (time-limited runs).
@@ -31,8 +31,8 @@ from typing import Any, Optional
 
 CASE_FIELDS = ("outcome", "decided_by", "first_failure", "message", "plan", "topk", "features")
 TENSOR_FIELDS = ("tensor_class", "dtype", "shape", "verdict", "rule")
-#: the fields ``verdicts_only`` compares (no values, no deciding rule)
-VERDICT_CASE_FIELDS = ("outcome", "plan", "features")
+#: the fields ``verdicts_only`` compares (no values, no deciding rule; of two errors, the kind of error)
+VERDICT_CASE_FIELDS = ("outcome", "message", "plan", "features")
 VERDICT_TENSOR_FIELDS = ("tensor_class", "dtype", "shape", "verdict")
 
 
@@ -115,6 +115,7 @@ class Agreement:
     differences: list
     problems: list
     common_only: bool = False
+    verdicts_only: bool = False
 
     @property
     def differing_cases(self) -> list:
@@ -146,6 +147,8 @@ def compare_case(cid: str, a: RunRecord, b: RunRecord, rel_tol: float = 0.0,
     ca, cb = a.cases[cid], b.cases[cid]
     errors = ca.get("outcome") == "error" and cb.get("outcome") == "error"
     for name in VERDICT_CASE_FIELDS if verdicts_only else CASE_FIELDS:
+        if verdicts_only and name == "message" and not errors:
+            continue  # a failure's message carries values
         va, vb = ca.get(name), cb.get(name)
         if errors and name == "message":
             va, vb = _error_kind(va), _error_kind(vb)
@@ -192,7 +195,7 @@ def compare(a: RunRecord, b: RunRecord, *, rel_tol: float = 0.0, common_only: bo
             problems.append(f"run {label} holds {len(rec.duplicates)} case(s) twice: {', '.join(rec.duplicates[:5])}")
     return Agreement(compared=len(common), only_a=[c for c in a.cases if c not in b.cases],
                      only_b=[c for c in b.cases if c not in a.cases], differences=differences, problems=problems,
-                     common_only=common_only)
+                     common_only=common_only, verdicts_only=verdicts_only)
 
 
 # ---- throughput (informational) -------------------------------------------------------------------------------------
@@ -230,7 +233,8 @@ def report(agreement: Agreement, a: RunRecord, b: RunRecord, show: int = 20) -> 
         lines.append(f"... {len(agreement.differences) - show} more differences")
     lines += agreement.problems
     verdict = "AGREE" if agreement.ok else "DIFFER"
-    scope = " (common cases only)" if agreement.common_only else ""
+    scope = (" (common cases only)" if agreement.common_only else "") + \
+        (" (outcomes and verdicts only)" if agreement.verdicts_only else "")
     lines.append(f"compare-runs: {agreement.compared} cases in both, {len(agreement.differing_cases)} differ, "
                  f"{len(agreement.only_a)} only in A, {len(agreement.only_b)} only in B{scope}: {verdict}")
     return lines

@@ -34,7 +34,10 @@ from adapters.megatron.source import MegatronSourceError, locate
 from cases.suites import load_suite
 from parity.engine import RunOptions, configure_torch, run_case
 from parity.impls import load
-from parity.mutation_suite import DEFAULT_OUT, MUTANTS_NAME
+from parity.mutation_suite import MUTANTS_NAME
+
+#: where ``mutants --impl megatron`` writes without ``--out`` (not the fused suite's ``reports/out/mutants``)
+DEFAULT_OUT = Path("reports") / "out" / "mutants-megatron"
 
 VARIANT = "megatron/core/transformer/experimental_attention_variant"
 FUSED = f"{VARIANT}/csa_utils/fused_sparse_attention.py"
@@ -254,9 +257,11 @@ class Outcome:
     check: Optional[str] = None
 
     def row(self, plan: "Plan") -> dict:
-        """One ``mutants.jsonl`` row: the kill matrix's fields (``reports.mutants``; ``status`` folded into
-        killed / survived / unreachable) and this suite's own (``detail`` = the status above, where, message)."""
-        folded = self.status if self.status in ("killed", "survived") else "unreachable"
+        """One ``mutants.jsonl`` row: the kill matrix's fields (``reports.mutants``; ``status`` folded into its
+        three: ``killed``; ``unreachable`` only for a confirmed ``not reachable``; every other outcome is a mutant
+        the suite did not kill — a stale patch, a wrong unreachable declaration, no clean case — so ``survived``, the
+        status the report puts first) and this suite's own (``detail`` = the status above, where, message)."""
+        folded = {"killed": "killed", "not reachable": "unreachable"}.get(self.status, "survived")
         return {"mutant": self.name, "status": folded, "case_id": self.case_id, "tensor": self.tensor,
                 "check": self.check, "detail": self.status, "impl": "megatron", "provider": self.provider,
                 "plan": f"{plan.provider or 'cpu'} ({plan.arch})", "message": self.message,
@@ -426,7 +431,7 @@ def main(args: argparse.Namespace) -> int:
         if not any(plan.covers(m) for m in MUTANTS if not args.mutant or m.name in args.mutant):
             print("error: --mutant: none of the chosen mutants is in the fused path", file=sys.stderr)
             return 2
-    out = Path(getattr(args, "out", None) or DEFAULT_OUT) / MUTANTS_NAME
+    out = Path(getattr(args, "out", None) or DEFAULT_OUT) / MUTANTS_NAME  # --out, else this suite's own folder
     out.unlink(missing_ok=True)  # never leave a previous run's rows next to this run's
     outcomes = run_suite(source.root, args.mutant, plan=plan, record=lambda o: write_row(out, o, plan))
     line, ok = summary(outcomes, plan)

@@ -9,7 +9,7 @@ child, :mod:`parity.worker`, calls too):
 * isolation ``none`` (in-process, the CPU default), ``worker`` (a child process replaced after any error or crash,
   the GPU default) or ``case`` (a fresh child per case);
 * ``workers`` (``--workers N|auto``, :mod:`parity.shard`): N child processes, on CUDA each pinned to one visible
-  GPU (``CUDA_VISIBLE_DEVICES``; ``auto`` puts up to 4 on a GPU), fed from one queue ordered by estimated cost; the
+  GPU (``CUDA_VISIBLE_DEVICES``; ``auto`` puts up to 6 on a GPU), fed from one queue ordered by estimated cost; the
   parent alone writes the one ``results.jsonl`` as cases finish (completion order). The ``run`` row records
   ``workers``, ``devices`` and ``threads``; every ``case`` row the ``worker`` (slot index) and ``device`` (``cpu`` /
   ``cuda:<token>``) it ran on, and ``retried`` if it ran out of GPU memory on a shared GPU and this is its re-run

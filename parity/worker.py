@@ -15,7 +15,7 @@ poisoned) — so a sticky fault still costs exactly one case, without paying pro
 case. On Linux a child dies with its parent (``PR_SET_PDEATHSIG``): a run killed by a CI time limit leaves no
 worker busy on a GPU.
 
-Several slots may share one device (``--workers auto`` puts up to 4 on a GPU). A job whose answer is an ``error``
+Several slots may share one device (``--workers auto`` puts up to 6 on a GPU). A job whose answer is an ``error``
 case row that says the GPU ran out of memory (:func:`is_out_of_memory`), from a worker whose device label is shared
 with other workers of the pool, is not yielded: it is re-run once *alone on that device*. As soon as such a retry is
 pending, no new job goes to that device; when none of its workers is busy any more, the other idle children of the

@@ -225,7 +225,8 @@ def test_the_outcomes_stream_into_the_kill_matrix_of_out(monkeypatch, tmp_path, 
 
 
 @pytest.mark.parametrize("flag", [["--case-id", "eb6b0817dc4e"], ["--suite", "gate"], ["--limit", "2"],
-                                  ["--keep-going"], ["--device", "cuda"], ["--policy", "p.json"]])
+                                  ["--keep-going"], ["--device", "cuda"], ["--policy", "p.json"],
+                                  ["--case", "{}"], ["--quiet"], ["--no-report"]])
 def test_options_of_the_fused_suite_are_refused_with_megatron(monkeypatch, capsys, flag):
     """Each mutant runs on its own cases: a selection flag would be silently ignored, so it is an error naming it."""
     import cli.mutants_command as command
@@ -237,3 +238,30 @@ def test_options_of_the_fused_suite_are_refused_with_megatron(monkeypatch, capsy
     assert f"{flag[0]}: not used with --impl megatron" in capsys.readouterr().err and not calls
     # negative control: without it the megatron suite is called
     assert main(["mutants", "--impl", "megatron", "--provider", "emulated"]) == 0 and len(calls) == 1
+
+
+@pytest.mark.parametrize("status, folded", [
+    ("killed", "killed"), ("not reachable", "unreachable"), ("survived", "survived"),
+    ("reachable after all", "survived"), ("not applied", "survived"), ("no clean case", "survived"),
+    ("no gate case", "survived")])
+def test_only_a_confirmed_unreachable_mutant_is_unreachable_in_the_kill_matrix(status, folded):
+    """A stale patch or a wrong unreachable declaration was not killed: the matrix shows it as survived (listed
+    first), never as unreachable; the suite's own status stays in ``detail``."""
+    row = mm.Outcome("m", status).row(mm.gpu_plan((9, 0)))
+    assert (row["status"], row["detail"], row["plan"]) == (folded, status, "cudnn (sm90)")
+
+
+def test_without_out_the_megatron_suite_writes_its_own_folder(monkeypatch, tmp_path):
+    """Not the fused suite's reports/out/mutants, whose clean run and report would sit beside it."""
+    from cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    fused_rows = tmp_path / "reports" / "out" / "mutants" / "mutants.jsonl"
+    fused_rows.parent.mkdir(parents=True)
+    fused_rows.write_text('{"mutant": "fused", "status": "killed"}\n')
+    monkeypatch.setattr(mm, "locate", lambda path=None: type("S", (), {"root": tmp_path, "revision": "test"})())
+    monkeypatch.setattr(mm, "run_suite", lambda root, names, echo=print, plan=mm.CPU_PLAN, record=None:
+                        [record(o) or o for o in [mm.Outcome("a", "killed")]])
+    assert main(["mutants", "--impl", "megatron"]) == 0
+    assert (tmp_path / mm.DEFAULT_OUT / "mutants.jsonl").is_file()
+    assert fused_rows.read_text().startswith('{"mutant": "fused"')  # the fused suite's matrix is untouched

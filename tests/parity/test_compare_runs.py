@@ -88,13 +88,21 @@ def test_verdicts_only_ignores_values_and_the_deciding_rule_but_not_a_verdict(si
     got = compare(load(single), load(other), verdicts_only=True)
     assert got.ok and got.compared == 3
     assert main(["compare-runs", "--verdicts", str(single), str(other)]) == 0
-    assert "AGREE" in capsys.readouterr().out
+    assert "(outcomes and verdicts only): AGREE" in capsys.readouterr().out
+    assert main(["compare-runs", "--verdicts", "--rel-tol", "0.1", str(single), str(other)]) == 2
+    assert "--rel-tol would be ignored" in capsys.readouterr().err
     # negative controls: a tensor verdict or an outcome that flips is still a difference
     flipped = case_rows("a")
     flipped[1].update(verdict="fail")
     other = write(tmp_path / "flip", [flipped, case_rows("b", value=3e-7), case_rows("c", outcome="pass")])
     got = compare(load(single), load(other), verdicts_only=True)
     assert {(d.case_id, d.what) for d in got.differences} == {("a", "tensor out: verdict"), ("c", "outcome")}
+    # two errors of another kind differ; of the same kind (another stderr tail) they agree
+    crash_a = write(tmp_path / "ea", [case_rows("x", outcome="error", message="RuntimeError: CUDA fault at 1")])
+    crash_b = write(tmp_path / "eb", [case_rows("x", outcome="error", message="RuntimeError: CUDA fault at 2")])
+    crash_c = write(tmp_path / "ec", [case_rows("x", outcome="error", message="TimeoutError: case ran 1800 s")])
+    assert compare(load(crash_a), load(crash_b), verdicts_only=True).ok
+    assert not compare(load(crash_a), load(crash_c), verdicts_only=True).ok
 
 
 def test_a_different_case_set_and_a_killed_run_differ(single, tmp_path):
