@@ -333,9 +333,8 @@ class Bench:
             info = {"provider": b.provider, "unavailable": b.unavailable,
                     "observe_kernels": b.observe_kernels is not None, "describe": None}
             if b.unavailable is None:
-                try:
-                    with b.context()():  # the provider in force: its stand-ins are the ones described
-                        info["describe"] = b.impl.describe()
+                try:  # the provider's own stand-ins, as the run row records them (no backend installed for it)
+                    info["describe"] = b.impl.describe(b.provider)
                 except Exception as exc:  # noqa: BLE001 — a description is not worth a failed bench
                     info["describe"] = {"error": _one_line(exc)}
             self.report["impls"][name] = info

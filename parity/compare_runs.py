@@ -31,8 +31,8 @@ from typing import Any, Optional
 
 CASE_FIELDS = ("outcome", "decided_by", "first_failure", "message", "plan", "topk", "features")
 TENSOR_FIELDS = ("tensor_class", "dtype", "shape", "verdict", "rule")
-#: the fields ``verdicts_only`` compares (no values, no deciding rule; of two errors, the kind of error)
-VERDICT_CASE_FIELDS = ("outcome", "message", "plan", "features")
+#: the fields ``verdicts_only`` compares (no values, no deciding rule; of two errors also the kind of error)
+VERDICT_CASE_FIELDS = ("outcome", "plan", "features")
 VERDICT_TENSOR_FIELDS = ("tensor_class", "dtype", "shape", "verdict")
 
 
@@ -146,9 +146,8 @@ def compare_case(cid: str, a: RunRecord, b: RunRecord, rel_tol: float = 0.0,
     out = []
     ca, cb = a.cases[cid], b.cases[cid]
     errors = ca.get("outcome") == "error" and cb.get("outcome") == "error"
-    for name in VERDICT_CASE_FIELDS if verdicts_only else CASE_FIELDS:
-        if verdicts_only and name == "message" and not errors:
-            continue  # a failure's message carries values
+    fields = CASE_FIELDS if not verdicts_only else VERDICT_CASE_FIELDS + (("message",) if errors else ())
+    for name in fields:
         va, vb = ca.get(name), cb.get(name)
         if errors and name == "message":
             va, vb = _error_kind(va), _error_kind(vb)

@@ -99,6 +99,11 @@ def matches(entry: dict, feats: dict, provider: str, arch: str, revision: str) -
     return all(key in feats and _listed(feats[key], want) for key, want in entry["match"].items())
 
 
+def _covers(entry: dict, tensor: str) -> bool:
+    """Whether ``tensor`` matches one of the entry's expected failing-tensor patterns."""
+    return any(fnmatch.fnmatchcase(tensor, pattern) for pattern in entry["expect"].get("tensors", ()))
+
+
 def explains(entry: dict, result) -> bool:
     """Whether ``entry`` accounts for every failure of a failed / errored result."""
     expect = entry["expect"]
@@ -109,7 +114,7 @@ def explains(entry: dict, result) -> bool:
     failed = [t.name for t in result.tensors if t.failed]
     if not failed:  # a case-level structure problem
         return False
-    return all(any(fnmatch.fnmatchcase(name, pat) for pat in expect["tensors"]) for name in failed)
+    return all(_covers(entry, name) for name in failed)
 
 
 def explaining(entries: list[dict], result) -> list[dict]:
@@ -125,8 +130,7 @@ def explaining(entries: list[dict], result) -> list[dict]:
         return []
     used: list[dict] = []
     for name in failed:
-        entry = next((e for e in entries if "tensors" in e["expect"]
-                      and any(fnmatch.fnmatchcase(name, pat) for pat in e["expect"]["tensors"])), None)
+        entry = next((e for e in entries if _covers(e, name)), None)
         if entry is None:
             return []
         if entry not in used:

@@ -75,8 +75,6 @@ class Mutant:
 SM90_DENSE_LOSS = ("production's config validation refuses the r = 4 dense indexer loss with "
                    "dsa_kernel_backend='cudnn' on SM90 (transformer_config.py), the only way into this backward")
 
-#: why the THD compressor's offsets have no gate case: the small gate cases with a real segment after a padded one
-#: (the only ones where real and padded offsets differ for real rows) are not clean on production's fused path
 MUTANTS: tuple[Mutant, ...] = (
     # ---- the seed's three review bugs, in the fused THD code -----------------------------------------------------
     Mutant("thd_dense_bwd_no_max_seqlen", "fused THD dense-loss indexer backward called without max_seqlen_q/k",
@@ -273,10 +271,6 @@ def write_row(path: Path, outcome: Outcome, plan: "Plan") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as fh:
         fh.write(json.dumps(outcome.row(plan), separators=(",", ":")) + "\n")
-
-
-def jobs_of(mutant: Mutant) -> list:
-    return CPU_PLAN.jobs(mutant)
 
 
 def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=print,

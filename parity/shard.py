@@ -249,5 +249,5 @@ def by_cost(cases: Sequence[Case], device: str = "cpu") -> list[Case]:
     return [case for _, case in indexed]
 
 
-__all__ = ["AUTO_CORES_PER_WORKER", "AUTO_MAX_PER_GPU", "DRAW_THREADS_PER_SHARE", "DTYPE_FACTOR", "Slot", "auto_workers", "by_cost",
-           "estimate_cost", "parse_workers", "per_row_macs", "plan_slots", "resolve_workers", "visible_cuda_devices"]
+__all__ = ["AUTO_CORES_PER_WORKER", "AUTO_MAX_PER_GPU", "DRAW_THREADS_PER_SHARE", "DTYPE_FACTOR", "Slot",
+           "auto_workers", "by_cost", "estimate_cost", "parse_workers", "per_row_macs", "plan_slots", "resolve_workers", "visible_cuda_devices"]

@@ -82,8 +82,9 @@ def kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], query: tor
     else:
         ids = topk
         keys = gather_rows(compressed, ids.clamp(max=n_comp - 1))
-        predict = torch.gather(index_scores, -1, ids.clamp(min=0, max=n_comp - 1))
-        at = None if at is None else torch.gather(at, -1, ids.clamp(min=0, max=n_comp - 1))
+        slots = ids.clamp(min=0, max=n_comp - 1)
+        predict = torch.gather(index_scores, -1, slots)
+        at = None if at is None else torch.gather(at, -1, slots)
     valid = (ids >= 0) & (ids < visible.unsqueeze(-1))
     target = teacher_target(query, keys, valid, lse_nc, softmax_scale)
     row_valid = valid.any(dim=-1, keepdim=True)

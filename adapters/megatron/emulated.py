@@ -39,8 +39,6 @@ from . import kernel_calls
 from .loader import Megatron
 from .recorders import patched
 
-#: cudnn.DSA wrapper -> torch kernel provider method (the stage of the same name)
-WRAPPERS = kernel_calls.WRAPPERS
 DEVICE_CAPABILITY = (10, 0)
 
 
@@ -63,7 +61,7 @@ def _wrapper(method: str):
 
 def dsa_namespace() -> types.SimpleNamespace:
     """``cudnn.DSA``'s stand-in: one ``<stage>_wrapper`` per production call site, delegating to the provider."""
-    return types.SimpleNamespace(**{name: _wrapper(method) for name, method in WRAPPERS.items()})
+    return types.SimpleNamespace(**{name: _wrapper(method) for name, method in kernel_calls.WRAPPERS.items()})
 
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, indexer_topk=0):
@@ -79,12 +77,13 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     return out, max_logits, lse, lse_indexer
 
 
-def _stub_modules() -> dict:
-    """``{module name: stand-in}`` for the kernel packages that are not importable here."""
+def _stub_modules(dsa: types.SimpleNamespace) -> dict:
+    """``{module name: stand-in}`` for the kernel packages that are not importable here (``dsa``: the stand-in
+    ``cudnn.DSA``)."""
     out = {}
     if importlib.util.find_spec("cudnn") is None or not torch.cuda.is_available():
         cudnn = types.ModuleType("cudnn")
-        cudnn.DSA = dsa_namespace()
+        cudnn.DSA = dsa
         cudnn.__doc__ = "dsv4-parity stand-in: cudnn.DSA over the torch kernel provider"
         out["cudnn"] = cudnn
     if importlib.util.find_spec("flash_mla") is None or not torch.cuda.is_available():
@@ -130,12 +129,13 @@ def installed(mg: Megatron) -> Iterator[None]:
     import megatron.core.transformer.transformer_config as tc  # noqa: PLC0415 — imported by the loader already
 
     cpu = not torch.cuda.is_available()
+    dsa = dsa_namespace()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_modules(_stub_modules()))
+        stack.enter_context(_modules(_stub_modules(dsa)))
         stack.enter_context(patched(tc, "_validate_dsa_kernel_backend_dependencies", _validation_without_cuda(mg)))
         if cpu:
             stack.enter_context(patched(torch.cuda, "get_device_capability", lambda *a, **k: DEVICE_CAPABILITY))
             stack.enter_context(patched(torch.cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext()))
         # production's fused module calls the stand-ins, also where the real packages are importable (a GPU host)
-        stack.enter_context(kernel_calls.installed(dsa_namespace(), "torch", flash_mla_sparse_fwd, "torch"))
+        stack.enter_context(kernel_calls.installed(dsa, "torch", flash_mla_sparse_fwd, "torch"))
         yield

@@ -14,12 +14,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import sys
 from typing import Any, Callable, ContextManager, Iterator
 
-from .recorders import patched
-
-FUSED = "megatron.core.transformer.experimental_attention_variant.csa_utils.fused_sparse_attention"
+from .recorders import FUSED, patched
 
 #: ``cudnn.DSA`` wrapper -> the kernel stage it runs (the stage names of ``fused.kernels``: the torch provider's
 #: method of the same name is the wrapper's contract-exact stand-in)
@@ -78,13 +75,16 @@ class ObservedDSA:
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._namespace, name)
         stage = WRAPPERS.get(name)
-        return observed(value, stage, self._provider) if stage is not None and callable(value) else value
+        if stage is not None and callable(value):
+            # production reads _DSA.<x>_wrapper at every call: wrap once per namespace (one installed() block)
+            value = self.__dict__[name] = observed(value, stage, self._provider)
+        return value
 
 
 @contextlib.contextmanager
 def installed(dsa_namespace: Any, dsa_provider: str, flash_fwd: Callable, flash_provider: str) -> Iterator[None]:
     """Production's fused module calls ``dsa_namespace`` and ``flash_fwd`` (both observed) inside the block."""
-    fused = sys.modules.get(FUSED) or importlib.import_module(FUSED)
+    fused = importlib.import_module(FUSED)
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(fused, "_DSA", ObservedDSA(dsa_namespace, dsa_provider)))
         stack.enter_context(patched(fused, "_flash_mla_sparse_fwd", observed(flash_fwd, FLASH_STAGE, flash_provider)))
