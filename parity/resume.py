@@ -6,7 +6,13 @@ against, provider, device, require, policy) and, for a metamorphic run, ``agains
 all of these from the row, so ``dsv4-parity run --out DIR --resume`` works as printed. An option given on the resume
 command line that differs from the recorded one is a usage error (a resume that quietly ran other cases, or another
 implementation, would label one run's results with another's name); options that do not change results
-(``--workers``, ``--threads``, ``--isolate``, ``--timeout``, ``--budget-s``, ``--junit``, ``--quiet``) may differ.
+(``--workers``, ``--isolate``, ``--timeout``, ``--budget-s``, ``--junit``, ``--quiet``) may differ.
+
+``--threads`` is the one in between: on a CPU the intra-op thread count sets the summation order of parallel
+reductions, so it changes a result's last bits (never its meaning). A resume re-applies the recorded count, so the
+resumed run equals an uninterrupted one bit for bit (README, "Reproducibility"); an explicit different
+``--threads`` is allowed and says on stderr that the cases it runs may differ from the recorded ones in the last
+bits.
 
 :func:`given_options` tells which options a command line set explicitly (argparse fills in defaults otherwise).
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -97,6 +104,20 @@ def apply_recorded_options(args: argparse.Namespace, given: Iterable[str], run_r
         if dest in given and not _same(dest, getattr(args, dest, None), options[key]):
             raise _conflict(f"--{dest}", getattr(args, dest, None), options[key], out_dir)
         setattr(args, dest, options[key])
+    _apply_recorded_threads(args, given, run_row)
+
+
+def _apply_recorded_threads(args: argparse.Namespace, given: set, run_row: dict) -> None:
+    """``--threads``: the recorded count unless given; a different explicit count is allowed, with a note."""
+    recorded = run_row.get("threads")
+    if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded < 1:
+        return  # a run recorded before thread counts were always explicit: each process's own default
+    if "threads" not in given or getattr(args, "threads", None) is None:
+        args.threads = recorded
+    elif args.threads != recorded:
+        print(f"note: --threads {args.threads} differs from the {recorded} intra-op thread(s) the run recorded: "
+              "on a CPU the cases run now may differ from the recorded ones in the last bits (README, "
+              "\"Reproducibility\")", file=sys.stderr)
 
 
 def check_oracle(oracle: Optional[str], given: Iterable[str], run_row: dict, out_dir: Path) -> Optional[str]:

@@ -142,7 +142,10 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     mode = _isolation(config, workers)  # usage errors before anything is written
     if config.threads is not None and config.threads < 1:
         raise CaseError("threads", f"must be a positive integer, got {config.threads}")
-    slots = shard.plan_slots(workers, device, threads=config.threads)
+    # the intra-op thread count is part of what a CPU result is (it sets the summation order of parallel
+    # reductions): always an explicit number, recorded in the run row and re-applied by --resume
+    threads = config.threads if config.threads is not None else (torch.get_num_threads() if workers == 1 else None)
+    slots = shard.plan_slots(workers, device, threads=threads)
     out_dir = config.out_dir
     path = out_dir / "results.jsonl"
     check_writable_file(config.junit, "junit")
@@ -172,10 +175,10 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         todo = shard.by_cost(todo, device)  # the shared queue: most expensive first (LPT)
     outcomes = dict(existing.outcomes)
     fixed: list[str] = []  # cases where a registered known deviation did not reproduce
-    # intra-op threads of the processes running the cases (recorded; None: each child's own default)
+    # intra-op threads of the processes running the cases (recorded; resolved by run(), never None)
     threads_before, threads = None, slots[0].threads
     if mode == "none":
-        threads_before = _set_threads(config.threads)
+        threads_before = _set_threads(threads)
         threads = _set_threads(None)
     started = time.perf_counter()
     writer = results.ResultsWriter(path)
