@@ -44,7 +44,7 @@ from cases.case import Case
 from cases.coverage import features
 from cases.tensors import materialize
 
-from . import api_check, padding_dout
+from . import api_check, backward_origin, padding_dout
 from . import known
 from . import policy as policy_mod
 from . import sign_split, structure, verdict
@@ -100,11 +100,24 @@ def one_line(exc: BaseException) -> str:
 
 
 def _where(exc: BaseException) -> str:
-    """The innermost frame outside torch / site-packages (``dir/file.py:line``), to make an error actionable."""
+    """The innermost frame outside torch / site-packages (``dir/file.py:function:line``), to make an error
+    actionable. An error of a C++ backward node has no frame of the code that built the node: the engine then asks
+    :func:`_backward_origin`."""
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if "/site-packages/" not in frame.filename and "/torch/" not in frame.filename:
-            return "/".join(frame.filename.split("/")[-2:]) + f":{frame.lineno}"
+        if not backward_origin.is_foreign(frame.filename):
+            return backward_origin.short(frame.filename, frame.name, frame.lineno)
     return ""
+
+
+def _backward_origin(impl: Implementation, case: Case, run: tuple, provider: str, options: RunOptions) -> str:
+    """The implementation's forward call whose backward raised (``dir/file.py:function:line (Node)``, found by an
+    anomaly-mode re-run, :mod:`parity.backward_origin`), or "" when the re-run cannot tell."""
+    tensors, with_loss = run
+    try:
+        return backward_origin.locate(impl.api, case, tensors, context=impl.context(provider, options.require),
+                                      with_loss=with_loss) or ""
+    except Exception:  # noqa: BLE001 — locating is best effort; the error itself is already reported
+        return ""
 
 
 class _PhaseClock:
@@ -169,18 +182,19 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
     if case.device == "cuda" and device != "cuda" and options.device == "auto":  # an explicit --device overrides
         return finish("unsupported", "device", "the case needs a CUDA device (kernel-profile shapes)")
     clock = _PhaseClock(result.phases_s, device)
-    stage = "materialize"
+    stage, impl_run = "materialize", None
     try:
         with clock("materialize"):
             tensors = materialize(case, device)
         stage = f"{impl.name} run"
         with clock("impl"):
+            impl_run = (tensors, True)  # what the impl stage ran, for locating a backward error (backward_origin)
             impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
             contract_leaks = None
             if padding_dout.padding_dout_nonzero(tensors):
                 stage = f"{impl.name} run with dO on padding rows only"
-                contract_leaks = padding_dout.leaks(take_snapshot(impl.api, case,
-                                                                  padding_dout.padding_dout_only(tensors),
+                impl_run = (padding_dout.padding_dout_only(tensors), False)
+                contract_leaks = padding_dout.leaks(take_snapshot(impl.api, case, impl_run[0],
                                                                   context=impl.context(provider, options.require),
                                                                   with_loss=False))
         result.plan = impl_snap.record or {}
@@ -204,6 +218,11 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
         where = _where(exc)
+        if impl_run is not None and stage.startswith(f"{impl.name} run") and \
+                backward_origin.raised_in_backward_without_frame(exc):
+            origin = _backward_origin(impl, case, impl_run, provider, options)
+            if origin:  # the implementation's frame first: whose code raised it
+                where = f"{origin}, in its backward; raised under {where}"
         return finish("error", "error", f"{stage}: {one_line(exc)}" + (f" [{where}]" if where else ""))
 
     try:

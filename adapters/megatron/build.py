@@ -32,7 +32,10 @@ class Built:
     standins: tuple[str, ...]
 
 
+#: the last few layers built (least recently used first): a gate case's runs (its training run, the padding-dO re-run,
+#: the sign-split probes) share one; keeping every case's layer would hold each one's weights on the device
 _CACHE: dict[tuple, Built] = {}
+CACHE_SIZE = 4
 
 
 class ConfigRefused(Unsupported):
@@ -60,6 +63,9 @@ def transformer_config(mg: Megatron, config: ModelConfig, dtype: torch.dtype, ba
         beta_slow=c.beta_slow, layernorm_epsilon=c.layernorm_epsilon, normalization="RMSNorm", qk_layernorm=True,
         add_bias_linear=False, apply_rope_fusion=False, dsa_kernel_backend=backend, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+        # every parameter is the harness's (functional_call by name, checked by layer.py): production's random
+        # initialisation of the linears would only be overwritten (stand-in ``no-weight-init``)
+        perform_initialization=False,
     )
     return cls(**kwargs)
 
@@ -92,6 +98,7 @@ def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, d
     ``promoted``: built with the float32 islands promoted (RoPE tables; :mod:`adapters.megatron.promote`)."""
     key = (config, dtype, backend, device, promoted)
     if key in _CACHE:
+        _CACHE[key] = _CACHE.pop(key)  # most recently used last
         return _CACHE[key]
     used = []
     specs = mg.modules["megatron.core.models.gpt.experimental_attention_variant_module_specs"]
@@ -111,6 +118,8 @@ def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, d
     module.to(device)
     names = tuple(n for n, _ in module.named_parameters())
     built = Built(module, names, tuple(used))
+    while len(_CACHE) >= CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))
     _CACHE[key] = built
     return built
 

@@ -24,7 +24,7 @@ from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 from cases.outputs import AttentionOutput
 
-from . import recorders
+from . import gather_backward, recorders
 from .providers import current, run_context
 
 CORE_PREFIX = "core_attention."
@@ -92,6 +92,21 @@ def _output(out: torch.Tensor, record: recorders.Record, config: ModelConfig, pa
                           not_provided=not_provided)
 
 
+def _check_covered(built, params: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+    """Every parameter of production's module is one of the harness's (the layer is built without initialising its
+    weights: a parameter left out would compute with uninitialised memory)."""
+    missing = [n for n in built.names if n.startswith(prefix) and n[len(prefix):] not in params]
+    if missing:
+        raise RuntimeError(f"production's layer has parameters the case does not provide: {', '.join(missing)}")
+
+
+def _after_forward(out: torch.Tensor) -> None:
+    """Per-call stand-ins on production's autograd graph: the unfused KV gather's atomic backward on CUDA
+    (:mod:`adapters.megatron.gather_backward`)."""
+    if current() == "unfused":
+        gather_backward.install(out)
+
+
 def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,
                     packed_seq_params: Optional[PackedSeqParams] = None, *, training: bool = True,
                     topk_indices: Optional[torch.Tensor] = None) -> AttentionOutput:
@@ -102,9 +117,11 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
     with run_context(current(), config, hidden, training) as (mg, built):
         x = hidden.unsqueeze(1) if packed else hidden.transpose(0, 1)
         psp = _megatron_psp(mg, packed_seq_params, hidden.shape[0]) if packed else None
+        _check_covered(built, params)
         with recorders.recording(mg) as record:
             out, _bias = functional_call(built.module, dict(params), (x, None),
                                          {"packed_seq_params": psp}, strict=False)
+    _after_forward(out)
     out = out.squeeze(1) if packed else out.transpose(0, 1)
     return _output(out, record, config, packed_seq_params, lead)
 
@@ -127,8 +144,10 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
         else:
             q, x, qr = (t.transpose(0, 1) for t in (query, hidden, q_latent))
             key, psp = kv.transpose(0, 1).unsqueeze(2), None
+        _check_covered(built, core_params, CORE_PREFIX)
         with recorders.recording(mg) as record:
             out = functional_call(built.module.core_attention, core_params, (q, key, key, None),
                                   {"x": x, "qr": qr, "packed_seq_params": psp}, strict=False)
+    _after_forward(out)
     out = out.reshape(lead[0], n, d) if packed else out.reshape(lead[1], lead[0], n, d).transpose(0, 1)
     return _output(out, record, config, packed_seq_params, lead)

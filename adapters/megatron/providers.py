@@ -27,7 +27,7 @@ import torch
 
 from cases.vocabulary import Unsupported
 
-from . import promote, real_kernels, standins
+from . import gather_backward, promote, real_kernels, standins
 from .build import Built, build
 from .loader import Megatron, load
 
@@ -103,6 +103,7 @@ def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(promote.mode())
+            stack.enter_context(gather_backward.restored())  # a backward stopped inside a hooked gather
             stack.enter_context(promote.float64_case(False))  # the block's mark, set by run_context's case
             # production's modules are imported (and its tree put on sys.path) before a provider patches them: a
             # fresh worker process enters this block before its first case builds the layer
@@ -145,8 +146,11 @@ def describe(provider: Optional[str] = None) -> dict:
     if not mg.has_te:
         used.append("plain-linear (no TransformerEngine)")
     used.append("process-group (1-rank gloo)")
+    used.append("no-weight-init (perform_initialization=False: every parameter is the case's own, by name)")
     if not torch.cuda.is_available():
         used.append("cpu-device (torch.cuda.current_device)")
+    elif name == "unfused" and gather_backward.enabled():
+        used.append(gather_backward.NOTE)
     if name == "emulated":
         from .emulated import STANDINS  # noqa: PLC0415
 

@@ -1,9 +1,10 @@
 """Argument contracts of the production kernel wrappers, enforced once for every provider by the dispatcher.
 
 Each ``check_<stage>`` raises where the real wrapper raises, with the same exception type and the gist of its
-message (cudnn-frontend 1.32.0 ``cudnn/deepseek_sparse_attention``; FlashMLA ``csrc/api/sparse_fwd.h``, whose
-``TORCH_CHECK`` raises ``RuntimeError``; Megatron ``csa_teacher_lse.py``). Only the *argument* contract lives here
-(ranks, index dtypes, required arguments, cross-argument shapes, contiguity where the wrapper does not copy);
+message (cudnn-frontend 1.32.0 ``cudnn/deepseek_sparse_attention``; FlashMLA ``csrc/api/sparse_fwd.h``, ``nv_dev``
+b7643bd for ``indexer_topk``, whose ``TORCH_CHECK`` raises ``RuntimeError``; Megatron ``csa_teacher_lse.py``). Only
+the *argument* contract lives here (ranks, index dtypes, required arguments, cross-argument shapes, contiguity where
+the wrapper does not copy);
 data dtypes and kernel sizes (bf16, D = 512, H >= 64, K % 128 ...) are per-provider ``check_support`` business.
 
 Where this module is stricter than the wrapper it says so:
@@ -125,6 +126,22 @@ def check_compactify(indices) -> None:
 
 
 # ---- 4. FlashMLA sparse forward (csrc/api/sparse_fwd.h::sparse_attn_prefill_interface) ---------------------------
+#: ``indexer_topk`` values FlashMLA ``nv_dev`` accepts (b7643bd, the branch head Megatron builds; 1024 since b7643bd)
+INDEXER_TOPKS = (0, 512, 1024, 2048)
+
+
+def check_indexer_topk(h_q: int, d_qk: int, indexer_topk: int) -> None:
+    """FlashMLA ``nv_dev`` b7643bd's ``TORCH_CHECK``s on ``indexer_topk`` (``sparse_attn_prefill_interface``): one of
+    :data:`INDEXER_TOPKS`; with ``h_q == 128`` only ``d_qk == 512`` and not 2048 (the sm100 small-top-k kernel
+    instantiates 512 / 1024; sm90 runs both head counts)."""
+    _require(indexer_topk in INDEXER_TOPKS, RuntimeError,
+             f"indexer_topk must be 0, 512, 1024, or 2048, got {indexer_topk}")
+    _require(not (h_q == 128 and d_qk == 576 and indexer_topk > 0), RuntimeError,
+             "indexer_topk > 0 with h_q == 128 currently requires d_qk == 512")
+    _require(not (h_q == 128 and indexer_topk == 2048), RuntimeError,
+             "indexer_topk == 2048 is not supported for h_q == 128 (small-topk only instantiates 512/1024)")
+
+
 def check_sparse_attn_fwd(q, kv, indices, d_v, attn_sink, topk_length, indexer_topk) -> None:
     for t, name, nd in ((q, "q", 3), (kv, "kv", 3), (indices, "indices", 3), (attn_sink, "attn_sink", 1),
                         (topk_length, "topk_length", 1)):
@@ -132,8 +149,7 @@ def check_sparse_attn_fwd(q, kv, indices, d_v, attn_sink, topk_length, indexer_t
             _require(t.ndim == nd, RuntimeError, f"{name} must have {nd} dimensions, got {t.ndim}")
     s_q, h_q, d_qk = q.shape
     s_kv, h_kv = kv.shape[0], kv.shape[1]
-    _require(indexer_topk in (0, 512, 2048), RuntimeError, f"indexer_topk must be 0, 512, or 2048, got {indexer_topk}")
-    _require(not (h_q == 128 and indexer_topk > 0), RuntimeError, "indexer_topk > 0 is not supported for h_q == 128")
+    check_indexer_topk(h_q, d_qk, indexer_topk)
     _require(indices.dtype == torch.int32, RuntimeError, f"indices must have dtype int32, got {indices.dtype}")
     if topk_length is not None:
         _require(topk_length.dtype == torch.int32, RuntimeError,

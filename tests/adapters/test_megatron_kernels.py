@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
+import types
 
 import pytest
 import torch
@@ -39,12 +41,149 @@ def test_the_bridge_drops_indexer_topk_zero_and_adds_use_legacy_only_on_sm90(leg
     assert calls == [{"d_v": 512, "use_legacy": legacy, "topk_length": None, "attn_sink": "sink"}]
 
 
-def test_the_bridge_refuses_a_positive_indexer_topk_instead_of_emulating_it():
+def _torch_sgl_forward(calls):
+    """sgl-flash-mla's signature over the torch provider (``out, max_logits, lse``), recording each call."""
+    from fused.kernels.torch_provider import TorchKernels
+
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, use_legacy=False):
+        calls.append({"use_legacy": use_legacy, "width": indices.shape[-1]})
+        return TorchKernels().sparse_attn_fwd(q, kv, indices, sm_scale, d_v=d_v, attn_sink=attn_sink,
+                                              topk_length=topk_length)
+
+    return flash_mla_sparse_fwd
+
+
+def _flash_inputs(rows=5, heads=64, d=512, n_kv=700, width=640, seed=0):
+    """FlashMLA-shaped inputs: ``q [rows, heads, d]`` bf16, ``kv [n_kv, 1, d]``, ``indices [rows, 1, width]`` int32
+    with invalid slots (``-1`` and ``>= n_kv``) among the first 512, row 1 with no valid slot among the first 512."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, heads, d, generator=g).to(torch.bfloat16)
+    kv = torch.randn(n_kv, 1, d, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, n_kv, (rows, 1, width), generator=g, dtype=torch.int32)
+    idx[0, 0, 3], idx[2, 0, 7], idx[3, 0, 100] = -1, n_kv, n_kv + 5
+    idx[1, 0, :512] = -1
+    idx[4, 0, 600:] = -1  # -1 padding at the end, as production pads the width
+    sink = torch.randn(heads, generator=g)
+    return q, kv, idx, sink
+
+
+def _expected_lse_indexer(q, kv, idx, scale, k):
+    """The nv_dev contract written out in float64: natural-log LSE over the first ``k`` slots, no sink, +inf empty."""
+    keys = idx[:, 0, :k].long()
+    valid = (keys >= 0) & (keys < kv.shape[0])
+    gathered = kv[:, 0].double()[keys.clamp(0, kv.shape[0] - 1)]  # [rows, k, d]
+    logits = torch.einsum("rhd,rkd->rhk", q.double(), gathered) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    return lse.masked_fill(torch.isneginf(lse), float("inf"))
+
+
+def _matches(got, want) -> bool:
+    finite = torch.isfinite(want)
+    return bool(torch.equal(torch.isposinf(got), torch.isposinf(want))) and \
+        bool(torch.allclose(got[finite].double(), want[finite], rtol=0, atol=1e-4))
+
+
+def test_the_bridge_computes_nv_devs_lse_indexer_beside_the_real_kernel():
+    """``indexer_topk = 512``: sgl-flash-mla's ``out / max_logits / lse`` unchanged (one call, full width,
+    ``use_legacy``), plus ``lse_indexer`` as nv_dev defines it: first 512 slots, invalid slots out, no sink, +inf on
+    the row with no valid slot. Negative controls: the same check rejects an LSE over every slot, one with the sink
+    and a log2 one."""
     calls = []
-    bridge = real_kernels.flash_mla_bridge(_sgl_forward(calls), legacy=True)
-    with pytest.raises(Unsupported, match="indexer_topk=4"):
-        bridge(None, None, None, 1.0, indexer_topk=4)
+    q, kv, idx, sink = _flash_inputs()
+    scale = 512 ** -0.5
+    bridge = real_kernels.flash_mla_bridge(_torch_sgl_forward(calls), legacy=True)
+    out, max_logits, lse, lse_indexer = bridge(q, kv, idx, scale, attn_sink=sink, indexer_topk=512)
+    assert calls == [{"use_legacy": True, "width": 640}]
+    ref_out, _, ref_lse = _torch_sgl_forward([])(q, kv, idx, scale, attn_sink=sink)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert lse_indexer.dtype == torch.float32 and lse_indexer.shape == (5, 64)
+    want = _expected_lse_indexer(q, kv, idx, scale, 512)
+    assert torch.isposinf(want[1]).all()
+    assert _matches(lse_indexer, want)
+    # negative controls: wrong definitions of the partial LSE are told apart by the same check
+    assert not _matches(_expected_lse_indexer(q, kv, idx, scale, 640), want)  # every slot
+    with_sink = torch.logaddexp(want, sink.double().view(1, -1)).masked_fill(torch.isposinf(want), float("inf"))
+    assert not _matches(with_sink, want)
+    assert not _matches(want / math.log(2.0), want)
+
+
+def test_an_index_buffer_narrower_than_indexer_topk_is_never_snapshotted():
+    q, kv, idx, _ = _flash_inputs(width=384)
+    got = real_kernels.lse_indexer(q, kv, idx, 0.1, 512)
+    assert torch.isposinf(got).all() and got.shape == (5, 64)
+
+
+@pytest.mark.parametrize("heads, d, k, message", [
+    (64, 512, 256, "indexer_topk must be 0, 512, 1024, or 2048, got 256"),
+    (64, 512, 4, "got 4"),
+    (128, 512, 2048, "indexer_topk == 2048 is not supported for h_q == 128"),
+    (128, 576, 512, "requires d_qk == 512"),
+])
+def test_what_nv_dev_refuses_is_a_kernel_refusal_before_any_kernel_runs(heads, d, k, message):
+    calls = []
+    bridge = real_kernels.flash_mla_bridge(_torch_sgl_forward(calls), legacy=True)
+    q = torch.zeros(2, heads, d, dtype=torch.bfloat16)
+    with pytest.raises(real_kernels.KernelRefused, match=message) as refused:
+        bridge(q, q[:, :1], torch.zeros(2, 1, 640, dtype=torch.int32), 1.0, indexer_topk=k)
+    assert isinstance(refused.value, Unsupported) and "nv_dev refuses" in str(refused.value)
     assert calls == []
+
+
+@pytest.mark.parametrize("heads, k", [(64, 512), (64, 1024), (64, 2048), (128, 512), (128, 1024)])
+def test_what_nv_dev_accepts_runs(heads, k):
+    """Negative control of the refusals: the (h_q, indexer_topk) pairs nv_dev b7643bd accepts with d_qk = 512."""
+    calls = []
+    bridge = real_kernels.flash_mla_bridge(_torch_sgl_forward(calls), legacy=True)
+    q, kv, _, _ = _flash_inputs(heads=heads, n_kv=40)
+    idx = torch.arange(k + 128, dtype=torch.int32).remainder(40).view(1, 1, -1).expand(5, 1, -1).contiguous()
+    assert len(bridge(q, kv, idx, 0.1, indexer_topk=k)) == 4 and len(calls) == 1
+
+
+def test_indexer_topk_with_topk_length_is_declined_not_guessed():
+    bridge = real_kernels.flash_mla_bridge(_torch_sgl_forward([]), legacy=True)
+    q, kv, idx, _ = _flash_inputs()
+    with pytest.raises(real_kernels.BridgeRefused, match="topk_length"):
+        bridge(q, kv, idx, 0.1, topk_length=torch.full((5,), 64, dtype=torch.int32), indexer_topk=512)
+
+
+@needs_megatron
+def test_productions_flash_mla_adapter_returns_the_bridged_lse_indexer(monkeypatch):
+    """Production's own ``_csa_fwd_flash_mla`` (the snapshot's; Path B before 608545cfc6 calls it with
+    ``indexer_topk=K``) over the bridge, declared sm90: it pads the width to 128 and returns ``(out, lse,
+    lse_indexer)`` with the bridge's partial LSE; with ``indexer_topk >= TopK`` it returns ``lse`` itself.
+    Negative control: a bridge with a wrong partial LSE (the sink folded in) changes what production returns."""
+    import importlib
+
+    from adapters.megatron import providers, recorders
+
+    providers.megatron()
+    fused = importlib.import_module(recorders.FUSED)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setattr(torch.cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext())
+    q, kv, idx, sink = _flash_inputs(width=520)  # K = 512 + a window of 8: padded to 640 by production
+    flat_q, flat_kv, flat_idx = q, kv[:, 0], idx[:, 0]
+    scale = 512 ** -0.5
+
+    def run(partial):
+        calls = []
+        bridge = real_kernels.flash_mla_bridge(_torch_sgl_forward(calls), legacy=True, partial_lse=partial)
+        with kernel_calls.installed(types.SimpleNamespace(), "cudnn", bridge, "flashmla"):
+            got = fused._csa_fwd_flash_mla(flat_q, flat_kv, flat_idx, scale, attn_sink=sink, indexer_topk=512)
+            whole = fused._csa_fwd_flash_mla(flat_q, flat_kv, flat_idx[:, :512], scale, attn_sink=sink,
+                                             indexer_topk=512)
+        return got, whole, calls
+
+    (out, lse, lse_indexer), (_, whole_lse, whole_indexer), calls = run(real_kernels.lse_indexer)
+    assert [c["width"] for c in calls] == [640, 512]
+    assert _matches(lse_indexer, _expected_lse_indexer(q, kv, idx, scale, 512))
+    assert torch.equal(whole_indexer, whole_lse)  # K >= TopK: production's own fallback to lse
+
+    def with_sink(*args):
+        return torch.logaddexp(real_kernels.lse_indexer(*args), sink.view(1, -1))
+
+    (_, _, wrong), _, _ = run(with_sink)
+    assert not _matches(wrong, _expected_lse_indexer(q, kv, idx, scale, 512))
 
 
 def test_without_cuda_the_cudnn_provider_names_why():

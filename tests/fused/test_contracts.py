@@ -162,7 +162,7 @@ VIOLATIONS = [
     ("sparse_attn_fwd", dict(topk_length=lambda a: a["topk_length"].long()), RuntimeError,
      "topk_length must have dtype int32"),
     ("sparse_attn_fwd", dict(attn_sink=lambda a: a["attn_sink"][:3]), RuntimeError, "attn_sink must have shape"),
-    ("sparse_attn_fwd", dict(indexer_topk=128), RuntimeError, "indexer_topk must be 0, 512, or 2048"),
+    ("sparse_attn_fwd", dict(indexer_topk=128), RuntimeError, "indexer_topk must be 0, 512, 1024, or 2048"),
     ("sparse_attn_fwd", dict(q=lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)), RuntimeError,
      "q must have contiguous last dimension"),
     # cuDNN sparse attention backward

@@ -252,3 +252,38 @@ class PadDoutLeak(Wrapped):
 
 
 reference_pad_dout_leak = PadDoutLeak("reference")
+
+
+def _gather_term(x):
+    """A term whose C++ backward node raises (``GatherBackward0``: its saved index is written after the forward, as
+    a kernel check failing inside a backward would): the error's traceback holds no frame of this function."""
+    flat = x.reshape(-1, x.shape[-1])
+    index = torch.zeros(flat.shape, dtype=torch.long, device=x.device)
+    term = torch.gather(flat, 0, index)
+    index.add_(0)  # bumps the index's version: the backward refuses the modified saved tensor
+    return term.reshape(x.shape)
+
+
+class _PythonBackwardFails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("planted failure in a Python backward")
+
+
+class BackwardRaises(Wrapped):
+    """``out`` gets ``0 * term`` whose backward raises in a C++ node (``python=False``) or in Python code."""
+
+    def after(self, res, hidden, psp):
+        if self.options.get("python"):
+            res.out = _PythonBackwardFails.apply(res.out)
+        else:
+            res.out = res.out + 0.0 * _gather_term(res.out)
+        return res
+
+
+reference_backward_raises = BackwardRaises("reference")
+reference_python_backward_raises = BackwardRaises("reference", python=True)
