@@ -157,15 +157,19 @@ def make_dry_run(*args: str) -> str:
     return " ".join(result.stdout.replace("\\\n", " ").split())
 
 
-def test_make_parity_is_unchanged_without_the_ci_hooks_and_passes_them_on():
-    run = "python3 -m cli run --suite smoke --provider auto --workers auto --out reports/out/latest --make-default"
-    oracles = (" for oracle in padding-dout; do python3 -m cli run --suite smoke --oracle $oracle --provider auto "
-               "--quiet || exit 1; done")  # the CPU-only metamorphic oracles (CPU_ORACLES)
+def test_make_parity_is_one_gate_command_and_passes_the_ci_hooks_on():
+    """`make parity` is one `dsv4-parity gate` (every production path, each against its baseline, the CPU oracles,
+    one closing summary); the CI hooks only add options to it."""
+    gate = ("python3 -m cli gate --suite smoke --provider auto --workers auto --out reports/out/latest --make-default "
+            "--baseline auto")
+    oracles = " --with-oracle padding-dout"  # the CPU-only metamorphic oracles (CPU_ORACLES)
     plain = make_dry_run("parity", "CPU_ORACLES=padding-dout")
-    assert plain == run + oracles
-    hooked = make_dry_run("parity", "CPU_ORACLES=padding-dout", "JUNIT=out/junit.xml",
+    assert plain == gate + oracles
+    hooked = make_dry_run("parity", "CPU_ORACLES=padding-dout", "JUNIT=out/junit.xml", "BASELINE=none",
                           "RUN_ARGS=--impl megatron --megatron /src/Megatron-LM")
-    assert hooked == run + " --junit out/junit.xml --impl megatron --megatron /src/Megatron-LM" + oracles
+    assert hooked == (gate.replace("--baseline auto", "--baseline none") + " --junit out/junit.xml" + oracles
+                      + " --impl megatron --megatron /src/Megatron-LM")
+    assert make_dry_run("parity", "CPU_ORACLES=") == gate  # a GPU runner: no oracle
     assert make_dry_run("drift", "OUT=out") == "python3 -m cli compare out --baseline auto"
     assert make_dry_run("summary", "OUT=out", "BASELINE=production") == (
         "python3 -m cli report out --format markdown --no-html --no-csv --baseline production")
