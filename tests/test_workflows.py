@@ -195,3 +195,45 @@ def test_the_session_script_names_its_stages_when_called_without_one():
     script = next(p for p in CI_SCRIPTS if p.name == "h200-session.sh")
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**os.environ, "OUT": "/tmp"})
     assert done.returncode == 2 and "fused|megatron|extras" in done.stderr
+
+
+# ---- the GPU job's Python and the Megatron gate's exact revision (issue 32, item 11) -------------------------------
+def installs_into_the_runners_python(text: str) -> list[str]:
+    """Lines that pip-install into the runner's shared Python (``$PARITY_PYTHON -m pip``) instead of a job venv."""
+    return [line.strip() for line in text.splitlines() if re.search(r'"?\$PARITY_PYTHON"? -m pip', line)]
+
+
+def test_the_gpu_job_installs_only_into_its_own_virtual_environment():
+    text = (ROOT / ".github" / "workflows" / "parity-gpu.yml").read_text()
+    assert installs_into_the_runners_python(text) == []
+    assert '-m venv --system-site-packages "$venv"' in text and '"$venv/bin/python" -m pip install' in text
+    assert "PYTHON=\"$VENV_PYTHON\"" in text  # make runs in the venv
+    # negative control: the former install step is caught
+    assert installs_into_the_runners_python("""          "$PARITY_PYTHON" -m pip install -e '.[gpu]'""")
+
+
+def megatron_sha_problems(text: str) -> list[str]:
+    """The Megatron PR gate must take the head SHA as a required input, refuse anything but 40 hex digits, and
+    gate exactly that commit."""
+    problems = []
+    if not re.search(r"head-sha:\n\s+description: .*\n\s+type: string\n\s+required: true", text):
+        problems.append("no required head-sha input")
+    if "^[0-9a-f]{40}$" not in text:
+        problems.append("head-sha is not checked to be a full SHA")
+    if "megatron-ref: ${{ inputs.head-sha }}" not in text:
+        problems.append("the gated ref is not the head SHA")
+    if "refs/pull/" in text.split("jobs:", 1)[1]:
+        problems.append("gates the pull request's moving head ref")
+    return problems
+
+
+def test_the_megatron_gate_checks_out_and_reports_the_exact_head_sha():
+    megatron = (ROOT / ".github" / "workflows" / "parity-megatron.yml").read_text()
+    assert megatron_sha_problems(megatron) == []
+    gpu = (ROOT / ".github" / "workflows" / "parity-gpu.yml").read_text()
+    assert "gated=$(git -C megatron-lm rev-parse HEAD)" in gpu and '>> "$GITHUB_STEP_SUMMARY"' in gpu
+    assert 'not the requested $MEGATRON_REF' in gpu
+    # negative control: the former dispatch (a pull request number, its moving head ref)
+    old = ("on:\n  workflow_dispatch:\n    inputs:\n      pull-request:\n        type: number\njobs:\n  megatron:\n"
+           "    with:\n      megatron-ref: refs/pull/${{ inputs.pull-request }}/head\n")
+    assert len(megatron_sha_problems(old)) == 4
