@@ -23,6 +23,7 @@ case, an incomplete run, a drift or coverage loss against its baseline, a missin
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -48,7 +49,7 @@ FUSED_PROVIDERS = ("auto", "torch", "cudnn", "flashmla")
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     gate = subparsers.add_parser(
         "gate", help="every production path in one gate: a run per path, each against its own baseline",
-        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=_plain(__doc__.split("\n\n", 1)[1]), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_options(gate)
     add_implementation_options(gate)
     gate.add_argument("--require", metavar="PROVIDER", help="as `run --require`, for every path")
@@ -63,6 +64,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                       help="also run metamorphic oracle NAME on the fused composition, smoke suite (repeatable)")
     gate.add_argument("--baselines-dir", type=Path, default=BASELINES_ROOT, help=argparse.SUPPRESS)
     gate.set_defaults(func=gate_command)
+
+
+def _plain(text: str) -> str:
+    """The module docstring as plain text for ``--help`` (no reStructuredText markup)."""
+    text = re.sub(r":\w+:`([^`]+)`", r"\1", text)
+    return text.replace("``", "`").replace("**", "")
 
 
 def strip_options(tokens: Sequence[str], names: dict) -> list[str]:

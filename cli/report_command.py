@@ -70,10 +70,13 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     report.set_defaults(func=report_command)
 
     compare = subparsers.add_parser(
-        "compare", help="relative-regression gate: fail when a tensor class's error grew over the baseline",
+        "compare", help="relative-regression gate: fail when a tensor class's error grew over the baseline or "
+                        "coverage shrank",
         description="Compare a run with a baseline per tensor class (see reports/SCHEMA.md, 'Drift'). Exit 1 when "
                     "a class regressed by more than the factor or a case newly fails, even inside the absolute "
-                    "tolerances. --update stores the run as the baseline instead.")
+                    "tolerances, or when coverage was lost: a case the baseline ran now unsupported or absent, a "
+                    "tensor it compared missing, a new unsupported reason. --update stores the run as the baseline "
+                    "instead. RUN may be a gate directory (dsv4-parity gate): each path against its own baseline.")
     compare.add_argument("run", help="run directory, its results.jsonl, or a run id under reports/out")
     compare.add_argument("--baseline", default="auto", metavar="NAME",
                          help="ARCH/NAME, NAME (this run's arch), a run directory, or 'auto' (ARCH/SUITE)")

@@ -6,7 +6,7 @@ results file cut in half. :func:`coverage_against` compares what the run compare
 the gate (:attr:`reports.drift.DriftResult.passed`) fails when any of these holds (:attr:`Coverage.lost`):
 
 * a case the baseline **ran** (outcome ``pass`` / ``known`` / ``fail``) is now ``unsupported``, or absent from the run;
-* a tensor the baseline compared (a row with a verdict) is missing from a case the run still ran (an ``error``, a
+* a tensor the baseline compared (a row with a verdict) is missing from a case still in the run (an ``error``, a
   case cut off mid-write, an implementation that stopped providing it);
 * an unsupported **reason** appears that the baseline did not have (:func:`reason_key`: the one-line message with
   standalone integers as ``N``, so ``indexer_topk=512`` and ``indexer_topk=1024`` are one reason).
@@ -79,8 +79,8 @@ class Coverage:
     """What the run compared against what the baseline compared (module docstring).
 
     ``now_unsupported``: case_id, baseline (its outcome there), reason. ``absent``: ids of cases the baseline ran
-    that the run lacks. ``missing_tensors``: case_id, tensor — compared in the baseline, missing from a case the run
-    still ran. ``reasons``: reason, cases (in the run), baseline (cases there; None when not recorded), new."""
+    that the run lacks. ``missing_tensors``: case_id, tensor — compared in the baseline, missing from a case still in
+    the run (``errored``: how many of those cases now error). ``reasons``: reason, cases (in the run), baseline (cases there; None when not recorded), new."""
 
     baseline_ran: int
     compared: int
@@ -92,6 +92,7 @@ class Coverage:
     reasons: pd.DataFrame
     reasons_recorded: bool
     baseline_unsupported: int = 0
+    errored: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -115,8 +116,9 @@ class Coverage:
         if len(self.missing_tensors):
             cases = self.missing_tensors["case_id"].nunique()
             examples = ", ".join(f"{c}/{t}" for c, t in self.missing_tensors.head(EXAMPLES).itertuples(index=False))
+            errored = f" ({self.errored} of them now error)" if self.errored else ""
             found.append(f"{len(self.missing_tensors)} tensor(s) compared in the baseline missing from {cases} case(s) "
-                         f"the run still ran, e.g. {examples}")
+                         f"still in the run{errored}, e.g. {examples}")
         for row in self.reasons.loc[self.reasons["new"]].itertuples(index=False):
             found.append(f"new unsupported reason ({row.cases} case(s)): {shown(str(row.reason))}")
         return found
@@ -194,4 +196,5 @@ def coverage_against(current: pd.DataFrame, baseline: pd.DataFrame, *, reasons: 
     return Coverage(baseline_ran=len(ran), compared=int(now.isin(RAN).sum()),
                     baseline_tensors=len(base_rows), tensors=len(base_rows) - len(gone),
                     now_unsupported=now_unsupported, absent=[str(c) for c in absent], missing_tensors=missing,
-                    reasons=table, reasons_recorded=recorded, baseline_unsupported=len(base_unsupported))
+                    reasons=table, reasons_recorded=recorded, baseline_unsupported=len(base_unsupported),
+                    errored=int((cur_outcome.reindex(missing["case_id"].unique()) == "error").sum()))

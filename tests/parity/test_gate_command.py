@@ -132,3 +132,22 @@ def test_production_gate_runs_both_paths_each_against_its_own_baseline(tmp_path,
     text = capsys.readouterr().out
     assert "emulated FAIL: coverage lost: 1 case(s) the baseline ran now unsupported: BridgeRefused" in text
     assert "gate: FAIL — emulated: coverage lost" in text
+
+
+def test_a_killed_gate_resumes_each_path_and_starts_the_rest(tmp_path, capsys):
+    out = tmp_path / "g"
+    assert gate("--paths", "auto,torch", "--baseline", "none", "--out", str(out)) == 0
+    first = out / "auto" / "results.jsonl"
+    rows = first.read_text().splitlines()
+    first.write_text("\n".join(rows[:1]) + "\n")  # killed before its case finished: only the run row
+    for path in (out / "torch").iterdir():
+        path.unlink()
+    (out / "torch").rmdir()  # the second path never started
+    capsys.readouterr()
+    assert main(["gate", "--out", str(out), "--resume", "--baseline", "none"]) == 0
+    assert last_lines(capsys.readouterr().out) == ["gate: PASS", f"report: {out / 'index.html'}"]
+    for name in ("auto", "torch"):
+        stream = (out / name / "results.jsonl").read_text()
+        assert stream.count('"type":"case"') == 1 and '"type":"end"' in stream
+    # negative control: --resume of a directory holding neither a gate nor a run is refused
+    assert main(["gate", "--out", str(tmp_path / "empty"), "--resume"]) == 2

@@ -134,7 +134,7 @@ def test_a_missing_tensor_fails_the_gate(baseline, tmp_path, capsys):
     assert result.coverage.missing_tensors.values.tolist() == [list(key)]
     assert result.coverage.tensors == result.coverage.baseline_tensors - 1
     code, out = compare(run, tmp_path, capsys)
-    assert code == 1 and "1 tensor(s) compared in the baseline missing from 1 case(s)" in out
+    assert code == 1 and "1 tensor(s) compared in the baseline missing from 1 case(s) still in the run, e.g." in out
     assert f"{key[0]}/grad/hidden" in out
 
 
@@ -213,3 +213,15 @@ def test_the_baseline_records_its_unsupported_reasons(baseline):
     env = json.loads((baseline.path / "env.json").read_text())
     assert env["unsupported_reasons"] == {"no provider for this case on cpu": 1}
     assert baseline.reasons == env["unsupported_reasons"]
+
+
+def test_a_case_that_now_errors_loses_its_tensors(baseline, tmp_path):
+    """A case the baseline ran that now errors compared nothing: its tensors count as missing, said so."""
+    rows = rows_of(n_cases=N, run_id="errs")
+    victim = ran_case_ids(rows, 1)[0]
+    broken = [r for r in rows if not (r["type"] in ("tensor", "metric") and r["case_id"] == victim)]
+    broken = [{**r, "outcome": "error", "message": "RuntimeError: boom"} if r["type"] == "case"
+              and r["case_id"] == victim else r for r in broken]
+    result = gate(write_rows(broken, tmp_path / "errs"), baseline)
+    assert not result.passed and result.coverage.errored == 1
+    assert "missing from 1 case(s) still in the run (1 of them now error)" in result.coverage.problems()[0]
