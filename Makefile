@@ -15,8 +15,10 @@ OUT       ?= reports/out/latest
 CPU_ORACLES ?= $(shell $(PY) -c 'import torch; print("" if torch.cuda.is_available() else "padding-dout")' 2>/dev/null || echo padding-dout)
 WORKERS   ?= 2
 # CI hooks (empty by default: `make parity` runs exactly as without them): JUNIT=path also writes JUnit XML there;
-# RUN_ARGS adds `run` options, e.g. RUN_ARGS='--impl megatron --megatron ../Megatron-LM'. BASELINE: the drift
-# baseline of `make drift` / `make summary` (auto = ARCH/SUITE of the run).
+# RUN_ARGS adds `run` options, e.g. RUN_ARGS='--impl megatron --megatron ../Megatron-LM' (then `make parity` gates
+# production's unfused AND fused path, each against its own baseline). BASELINE: each gated run's drift and coverage
+# baseline in `make parity` / `make drift` / `make summary` (auto = ARCH/<its default name>: SUITE for the fused
+# composition, megatron-<provider>-SUITE for production; none = not gated against one).
 JUNIT     ?=
 RUN_ARGS  ?=
 BASELINE  ?= auto
@@ -34,10 +36,11 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 .PHONY: help parity test test-all report drift summary mutants bench cases venv clean clean-cache
 
 help:
-	@echo "make parity   run the parity suite (SUITE=$(SUITE), PROVIDER=$(PROVIDER)) and write a report under reports/out/"
+	@echo "make parity   the gate: every production path of the implementation (SUITE=$(SUITE), PROVIDER=$(PROVIDER)),"
+	@echo "              each against its BASELINE (drift + coverage); a report under reports/out/"
 	@echo "make test     run the project's own tests (pytest, $(WORKERS) workers)"
 	@echo "make report   render the latest run's terminal/CSV/HTML report"
-	@echo "make drift    the drift gate: OUT's run against BASELINE (exit 1 when a tensor class regressed)"
+	@echo "make drift    the drift gate: OUT's run(s) against BASELINE (exit 1 when a tensor class regressed or coverage was lost)"
 	@echo "make summary  OUT's run as markdown on stdout, <= 64 KiB (CI job summary, PR comment)"
 	@echo "make mutants  run the mutation suite (every planted bug must be caught)"
 	@echo "make bench    benchmark the reference, the fused path and the harness"
@@ -59,11 +62,13 @@ $(VENV)/.installed: pyproject.toml
 	@echo "bootstrap: done; the CLI is $(VENV)/bin/dsv4-parity (or: source $(VENV)/bin/activate)"
 	touch $@
 
+# One command (cli/gate_command.py): a run per production path of the implementation (fused: PROVIDER; --impl
+# megatron: unfused + cudnn on a GPU with the kernels, else unfused + emulated), each judged against its own baseline
+# (drift and coverage), then the CPU oracles, then one summary naming the report to open; exit 1 if any run failed.
 parity: $(BOOTSTRAP)
-	$(PY) -m cli run --suite $(SUITE) --provider $(PROVIDER) --workers auto --out $(OUT) --make-default \
-		$(if $(JUNIT),--junit $(JUNIT)) $(RUN_ARGS)
-	@for oracle in $(CPU_ORACLES); do \
-	  $(PY) -m cli run --suite smoke --oracle $$oracle --provider $(PROVIDER) --quiet || exit 1; done
+	$(PY) -m cli gate --suite $(SUITE) --provider $(PROVIDER) --workers auto --out $(OUT) --make-default \
+		--baseline $(BASELINE) $(if $(JUNIT),--junit $(JUNIT)) $(foreach o,$(CPU_ORACLES),--with-oracle $(o)) \
+		$(RUN_ARGS)
 
 test: $(BOOTSTRAP)
 	$(PY) tests/setup_browser.py || true

@@ -2,7 +2,7 @@
 # Production (Megatron-LM's DSv4 layer, `--impl megatron --provider cudnn`: its fused path over the real cuDNN DSA +
 # FlashMLA kernels) vs the reference on the H200 (device tool, after .device/2/step2.sh installed the GPU packages).
 # Runs SUITE (default gate) within SECONDS (--budget-s: no case starts later; the end row lists the cases not run),
-# stores the run as the baseline <arch>/megatron-<suite> and copies the baseline and the results under $OUT.
+# stores the run as the baseline <arch>/megatron-cudnn-<suite> and copies the baseline and the results under $OUT.
 # Megatron: DSV4_MEGATRON (a checkout) or DSV4_MEGATRON_SNAPSHOT (the pinned archive; stage it next to the wheels).
 # Usage: [WORKERS=N] bash .ci/h200-megatron.sh [SUITE] [SECONDS]
 set -uo pipefail
@@ -17,7 +17,7 @@ timeout $((limit + 90)) python3 -m cli run --suite "$suite" --impl megatron --pr
 code=$?
 echo "h200-megatron $suite: run exit $code"
 python3 -m cli compare "$run" --update && \
-    cp -r "reports/baselines/h200/megatron-$suite" "$out/baseline-megatron-$suite"
+    cp -r "reports/baselines/h200/megatron-cudnn-$suite" "$out/baseline-megatron-cudnn-$suite"
 mkdir -p "$out/megatron-$suite" && cp "$run/results.jsonl" "$out/megatron-$suite/"
 python3 - "$run/results.jsonl" <<'PY'
 import collections, json, sys

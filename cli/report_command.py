@@ -14,11 +14,13 @@ from rich.console import Console
 from parity.runner import DEFAULT_OUT_ROOT
 
 from reports.baselines import BASELINES_ROOT, default_baseline, default_name, load_baseline, save_baseline
-from reports.drift import GateConfig, compare_tables
+from reports.drift import GateConfig
 from reports.errors import ReportError
+from reports.gate import (judge_gate_dir, manifest_runs, markdown_summary, parse_baselines, print_summary,
+                          read_manifest, title_of, write_index)
 from reports.load import load_run, resolve_results
-from reports.markdown import render_markdown
-from reports.render import gate_for
+from reports.markdown import MAX_BYTES, render_markdown
+from reports.render import drift_of
 from reports.render import render_run as _render
 from reports.schema import DRIFT_METRICS
 from reports.table import metrics_table
@@ -68,10 +70,13 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     report.set_defaults(func=report_command)
 
     compare = subparsers.add_parser(
-        "compare", help="relative-regression gate: fail when a tensor class's error grew over the baseline",
+        "compare", help="relative-regression gate: fail when a tensor class's error grew over the baseline or "
+                        "coverage shrank",
         description="Compare a run with a baseline per tensor class (see reports/SCHEMA.md, 'Drift'). Exit 1 when "
                     "a class regressed by more than the factor or a case newly fails, even inside the absolute "
-                    "tolerances. --update stores the run as the baseline instead.")
+                    "tolerances, or when coverage was lost: a case the baseline ran now unsupported or absent, a "
+                    "tensor it compared missing, a new unsupported reason. --update stores the run as the baseline "
+                    "instead. RUN may be a gate directory (dsv4-parity gate): each path against its own baseline.")
     compare.add_argument("run", help="run directory, its results.jsonl, or a run id under reports/out")
     compare.add_argument("--baseline", default="auto", metavar="NAME",
                          help="ARCH/NAME, NAME (this run's arch), a run directory, or 'auto' (ARCH/SUITE)")
@@ -94,8 +99,43 @@ def _fail(command: str, error: ReportError) -> int:
     return 2
 
 
+def _gate_dir(run: str) -> tuple[Path, dict] | None:
+    """``(directory, manifest)`` when ``run`` names a gate directory (``dsv4-parity gate`` of several paths)."""
+    for candidate in (Path(run), OUT_ROOT / str(run)):
+        if candidate.is_dir():
+            manifest = read_manifest(candidate)
+            if manifest is not None:
+                return candidate, manifest
+    return None
+
+
+def _report_gate(args: argparse.Namespace, directory: Path, manifest: dict) -> int:
+    """``report`` of a gate directory: every run rendered against its baseline, then the side-by-side summary
+    (terminal), or the gate's markdown: its side-by-side block, then each path's summary in an equal share of 64 KiB."""
+    terminal = args.format == "terminal" and not args.quiet
+    console = _console() if terminal else None
+    verdicts = judge_gate_dir(directory, manifest, baseline=args.baseline, console=console,
+                              baselines_root=args.baselines_dir)
+    title = title_of(manifest)
+    report = write_index(directory, verdicts, title=title)
+    if console is not None:
+        print_summary(verdicts, console, title=title, report=report)
+    if args.format == "markdown":
+        head = markdown_summary(verdicts, title=title)
+        shown = [v for v in verdicts if v.rendered is not None]
+        share = max(4096, (MAX_BYTES - len(head.encode()) - 1024) // max(1, len(shown)))
+        parts = [head] + [f"---\n\n### {v.kind} `{v.name}`\n\n" + render_markdown(
+            v.rendered.data, v.rendered.table, drift=v.rendered.drift, top=args.top, limit=share,
+            baseline_name=v.baseline) for v in shown]
+        print("\n".join(parts), end="")
+    return 0
+
+
 def report_command(args: argparse.Namespace) -> int:
     try:
+        gate = _gate_dir(args.run)
+        if gate is not None:
+            return _report_gate(args, *gate)
         results = resolve_results(args.run, OUT_ROOT)
         baseline = None if args.baseline in ("none", "") else args.baseline
         terminal = args.format == "terminal" and not args.quiet
@@ -113,9 +153,28 @@ def report_command(args: argparse.Namespace) -> int:
 def compare_command(args: argparse.Namespace) -> int:
     console = _console()
     try:
-        results = resolve_results(args.run, OUT_ROOT)
+        gate = _gate_dir(args.run)
+        if gate is None:
+            return _compare_one(resolve_results(args.run, OUT_ROOT), args.baseline, args, console)
+        directory, manifest = gate
+        runs = [(name, path) for kind, name, path in manifest_runs(directory, manifest) if kind == "path"]
+        chosen = parse_baselines(args.baseline, [name for name, _ in runs])
+        codes = []
+        for name, path in runs:
+            console.print(f"[bold]path {name}[/] ({path})")
+            if chosen[name] is None:
+                console.print("not gated against a baseline (--baseline none)")
+                continue
+            codes.append(_compare_one(resolve_results(path), chosen[name], args, console))
+    except ReportError as error:
+        return _fail("compare", error)
+    return max(codes, default=0)
+
+
+def _compare_one(results: Path, name: str, args: argparse.Namespace, console: Console) -> int:
+    """``compare`` of one run against baseline ``name`` (``auto``: its default), or ``--update`` of it."""
+    try:
         data = load_run(results)
-        name = args.baseline
         if name == "auto":
             name = default_baseline(data, args.baselines_dir) or (default_name(data) if args.update else None)
             if not name:
@@ -132,8 +191,9 @@ def compare_command(args: argparse.Namespace) -> int:
             console.print(f"html: {rendered.html}")
         else:
             base = load_baseline(name, current=data, root=args.baselines_dir)
-            drift = compare_tables(metrics_table(data), base.table, gate_for(base, **_overrides(args)))
-        if drift.pairs.empty:
+            drift = drift_of(data, metrics_table(data), base, **_overrides(args))
+        shared = set(data.cases["case_id"]) & set(base.table["case_id"])
+        if drift.pairs.empty and not shared and len(data.cases):
             raise ReportError("--baseline", f"{base.name} and run {data.run_id} have no (case, tensor) pair with "
                                             f"{drift.config.metric} on both sides ({drift.only_current} only in the "
                                             f"run, {drift.only_baseline} only in the baseline: another suite, case "

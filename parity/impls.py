@@ -15,6 +15,8 @@ An implementation is an object (usually a module) exposing the public API of ARC
 * ``precision(case)`` — the dtype the implementation computes ``case`` in when below the case dtype (production's
   float32 islands in a float64 run): its noise floor and tolerances are then that dtype's (default: the case dtype);
 * ``provider_name(provider)`` — the provider that ``provider`` (e.g. ``auto``) selects, as the implementation names it;
+* ``gate_paths(provider)`` — the providers a gate runs, one run each (``dsv4-parity gate``): the implementation's
+  production paths (default: ``[provider]``);
 * ``describe()`` — a dict for the run row (e.g. the revision of the code under test and the stand-ins in use);
 * ``known_deviations()`` — the registry of known behaviour that differs from the contract (:mod:`parity.known`).
 """
@@ -115,6 +117,12 @@ class Implementation:
         """The provider that ``provider`` (e.g. ``auto``) selects, as the implementation names it."""
         fn = self.optional_hook("provider_name")
         return str(fn(provider)) if fn is not None else provider
+
+    def gate_paths(self, provider: str) -> list[str]:
+        """The providers a gate of this implementation runs, one run each (the ``gate_paths`` hook; default the one
+        ``provider`` asked for)."""
+        fn = self.optional_hook("gate_paths")
+        return [str(p) for p in fn(provider)] if fn is not None else [provider]
 
     def precision(self, case) -> str:
         """The dtype this implementation computes ``case`` in (the case dtype unless it declares otherwise)."""

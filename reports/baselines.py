@@ -2,13 +2,16 @@
 
 * ``metrics.csv`` — the run's per-case per-tensor metrics table (schema: ``reports/SCHEMA.md``).
 * ``env.json``    — where it came from: ``run_id``, ``suite``, ``impl``, ``against``, ``provider``, ``started``,
-  ``counts``, ``arch``, ``env`` (python / torch / cuda / cudnn / cudnn_frontend / flash_mla / gpu / driver / git_rev)
-  and, when the run row has one, ``impl_info`` (the implementation's self-description, e.g. ``--impl megatron``'s
-  revision, provider, stand-ins and kernel versions).
+  ``counts``, ``arch``, ``env`` (python / torch / cuda / cudnn / cudnn_frontend / flash_mla / gpu / driver / git_rev),
+  ``unsupported_reasons`` (``{reason: cases}``, :func:`reports.coverage_gate.reason_key`; the coverage gate's
+  reference) and, when the run row has one, ``impl_info`` (the implementation's self-description, e.g.
+  ``--impl megatron``'s revision, provider, stand-ins and kernel versions).
 * ``gate.json``   — optional :class:`reports.drift.GateConfig` overrides for comparisons against this baseline.
 
-``<arch>`` is :func:`arch_of` the run's GPU (``cpu`` without one, ``h200`` for "NVIDIA H200", ...). Library versions
-go into ``<name>`` when they matter (e.g. ``h200/smoke-cudnn9.10``); ``env.json`` always records them.
+``<arch>`` is :func:`arch_of` the run's GPU (``cpu`` without one, ``h200`` for "NVIDIA H200", ...). ``<name>`` is
+:func:`default_name`: ``<suite>`` for ``--impl fused``, ``<impl>-<provider>-<suite>`` for another implementation
+(``megatron-unfused-smoke``, ``megatron-cudnn-gate``: each production path has its own). Library versions go into
+``<name>`` when they matter (e.g. ``h200/smoke-cudnn9.10``); ``env.json`` always records them.
 
 A baseline is named (``--baseline``) by, in this order: a path (a baseline directory, a run directory or a
 ``results.jsonl`` — any earlier run can serve), ``<arch>/<name>`` under the baselines root, or a bare ``<name>``
@@ -27,6 +30,7 @@ import pandas as pd
 
 from cases.vocabulary import outcome_counts
 
+from .coverage_gate import reason_counts, reason_key
 from .drift import GateConfig
 from .errors import ReportError
 from .load import RESULTS_NAME, RunData, ended_complete, load_run, peek_run
@@ -47,6 +51,12 @@ class Baseline:
     env: dict[str, Any] = field(default_factory=dict)
     gate: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def reasons(self) -> dict[str, int] | None:
+        """``{unsupported reason: cases}`` the baseline recorded, or None (recorded before baselines kept them)."""
+        found = self.env.get("unsupported_reasons")
+        return {str(k): int(v) for k, v in found.items()} if isinstance(found, dict) else None
+
 
 def arch_of(env: dict[str, Any] | None) -> str:
     """Architecture slug of a run's env: ``cpu`` without a GPU, else the model token (``h200``, ``a100``, ``gb200``)."""
@@ -59,15 +69,18 @@ def arch_of(env: dict[str, Any] | None) -> str:
 
 
 def provenance(run: dict[str, Any], counts: dict[str, int], complete: bool,
-               end: dict[str, Any] | None = None) -> dict[str, Any]:
+               end: dict[str, Any] | None = None, reasons: dict[str, int] | None = None) -> dict[str, Any]:
     """``env.json`` of a baseline: the run row's identity and environment (and the implementation's
-    ``impl_info``: revision, provider, stand-ins), the case counts; for a run its time budget stopped
-    (``--budget-s``), ``not_run`` = the number of selected cases it did not start."""
+    ``impl_info``: revision, provider, stand-ins), the case counts, the unsupported reasons with their counts
+    (``reasons``; None: not known); for a run its time budget stopped (``--budget-s``), ``not_run`` = the number of
+    selected cases it did not start."""
     env = run.get("env") if isinstance(run.get("env"), dict) else {}
     out = {"run_id": run.get("run_id"), "suite": run.get("suite"), "impl": run.get("impl"),
            "against": run.get("against"), "provider": run.get("provider"), "started": run.get("started"),
            "argv": run.get("argv"), "counts": counts, "complete": complete, "arch": arch_of(env),
            "schema_version": CSV_SCHEMA_VERSION, "env": env}
+    if reasons is not None:
+        out["unsupported_reasons"] = reasons
     if isinstance(run.get("impl_info"), dict):
         out["impl_info"] = run["impl_info"]
     if end and end.get("not_run"):
@@ -97,6 +110,23 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _stream_reasons(results: Path) -> dict[str, int]:
+    """``{unsupported reason: cases}`` of a results stream, reading its case rows only."""
+    found: dict[str, str] = {}
+    with results.open(encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            if '"case"' not in line[:40]:  # the type comes first in every row the engine writes
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("type") == "case" and "case_id" in row:
+                found[str(row["case_id"])] = row.get("message") if row.get("outcome") == "unsupported" else None
+    keys = [reason_key(m) for m in found.values() if m is not None]
+    return {str(k): int(v) for k, v in pd.Series(keys, dtype=object).value_counts().items()}
+
+
 def _from_run(name: str, results: Path) -> Baseline:
     """An earlier run as the baseline: its ``results.csv`` when newer than the JSONL, else the JSONL itself."""
     csv = results.parent / CSV_NAME
@@ -104,10 +134,10 @@ def _from_run(name: str, results: Path) -> Baseline:
         run, end = peek_run(results)
         table = read_csv(csv)
         return Baseline(name=name, path=results.parent, table=table,
-                        env=provenance(run, _counts(table), ended_complete(end), end))
+                        env=provenance(run, _counts(table), ended_complete(end), end, _stream_reasons(results)))
     data = load_run(results)
     return Baseline(name=name, path=results.parent, table=metrics_table(data),
-                    env=provenance(data.run, data.counts, data.complete))
+                    env=provenance(data.run, data.counts, data.complete, reasons=reason_counts(data.cases)))
 
 
 def load_baseline(name: str, *, current: RunData | None = None, root: Path = BASELINES_ROOT) -> Baseline:
@@ -143,13 +173,26 @@ def _baseline_dir(name: str, path: Path) -> Baseline:
     return Baseline(name=name, path=path, table=table, env=env, gate=_read_json(path / GATE_NAME))
 
 
+def run_provider(run: dict[str, Any]) -> str | None:
+    """The provider a run used, as its implementation resolved it (``impl_info.provider``: ``auto`` -> ``unfused``
+    for ``--impl megatron``), else the run row's ``provider``."""
+    info = run.get("impl_info") if isinstance(run.get("impl_info"), dict) else {}
+    provider = info.get("provider") or run.get("provider")
+    return str(provider) if provider else None
+
+
 def default_name(data: RunData) -> str | None:
-    """The run's baseline name under its arch: ``<suite>`` for ``--impl fused``, ``<impl>-<suite>`` for another
-    implementation (``megatron-gate``), so production's baselines never stand in for the composition's."""
+    """The run's baseline name under its arch: ``<suite>`` for ``--impl fused``, ``<impl>-<provider>-<suite>`` for
+    another implementation (``megatron-unfused-gate``, ``megatron-cudnn-gate``), so production's baselines never
+    stand in for the composition's, nor one production path's for another's (``<impl>-<suite>`` when the run row
+    names no provider)."""
     suite, impl = data.run.get("suite"), data.run.get("impl")
     if not suite:
         return None
-    return str(suite) if impl in (None, "fused") else f"{impl}-{suite}"
+    if impl in (None, "fused"):
+        return str(suite)
+    provider = run_provider(data.run)
+    return f"{impl}-{provider}-{suite}" if provider and provider not in ("auto", "none") else f"{impl}-{suite}"
 
 
 def default_baseline(data: RunData, root: Path = BASELINES_ROOT) -> str | None:
@@ -171,7 +214,7 @@ def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path =
                                       "baseline a partial run")
     target.mkdir(parents=True, exist_ok=True)
     write_csv(table, target / METRICS_NAME)
-    env = provenance(data.run, data.counts, data.complete, data.end)
+    env = provenance(data.run, data.counts, data.complete, data.end, reason_counts(data.cases))
     (target / ENV_NAME).write_text(json.dumps(env, indent=2, sort_keys=True) + "\n")
     if gate is not None:
         (target / GATE_NAME).write_text(json.dumps(gate.to_dict(), indent=2, sort_keys=True) + "\n")

@@ -20,9 +20,12 @@ The statistic (documented for users in ``reports/SCHEMA.md`` §Drift):
    ratio); the median and max are reported beside it.
 4. **Gate.** A class is a *regression* when its statistic exceeds ``factor`` (default 2, per-class overrides in
    ``factors``) and an *improvement* when it is below ``1/factor``. ``compare`` also fails on *new failures*: a
-   (case, tensor) whose verdict went pass -> fail, or a case whose outcome went pass -> fail/error. Pairs present on
-   one side only are counted, never gated (suites grow). A gate that matched no pair at all fails: it compared
-   nothing (a baseline of another suite, or one without readable values of the metric).
+   (case, tensor) whose verdict went pass -> fail, or a case whose outcome went pass -> fail/error. A gate that
+   matched no pair at all fails: it compared nothing (a baseline of another suite, or one without readable values of
+   the metric).
+5. **Coverage** (:mod:`reports.coverage_gate`). The gate fails when the run did less than its baseline: a case the
+   baseline ran (pass / known / fail) is now unsupported or absent, a tensor the baseline compared is missing, or a
+   new unsupported reason appears. Cases and tensors only the run has are counted, never gated (suites grow).
 
 Absolute tolerances are not consulted: a class can regress while every tensor still passes — that is the point.
 """
@@ -39,6 +42,7 @@ import pandas as pd
 
 from cases.vocabulary import TENSOR_CLASSES
 
+from .coverage_gate import Coverage, coverage_against
 from .errors import ReportError
 from .schema import DRIFT_METRICS, dtype_eps
 
@@ -127,7 +131,8 @@ def quantile(statistic: str, where: str = "statistic") -> float:
 
 @dataclass
 class DriftResult:
-    """``classes``: one row per tensor class; ``pairs``: every matched pair with its ratio; ``new_failures``."""
+    """``classes``: one row per tensor class; ``pairs``: every matched pair with its ratio; ``new_failures``;
+    ``coverage``: what the run compared against what the baseline compared."""
 
     config: GateConfig
     classes: pd.DataFrame
@@ -135,6 +140,7 @@ class DriftResult:
     new_failures: pd.DataFrame
     only_current: int
     only_baseline: int
+    coverage: Coverage
 
     @property
     def regressions(self) -> list[str]:
@@ -142,8 +148,22 @@ class DriftResult:
 
     @property
     def passed(self) -> bool:
-        """No regression, no new failure, and at least one pair compared (a gate that compared nothing fails)."""
-        return not self.pairs.empty and not self.regressions and self.new_failures.empty
+        """No regression, no new failure, no coverage lost, and at least one pair compared (a gate that compared
+        nothing fails)."""
+        return not self.pairs.empty and not self.regressions and self.new_failures.empty and not self.coverage.lost
+
+    def reasons(self) -> list[str]:
+        """Why the gate failed, one phrase each (empty when it passed)."""
+        found = []
+        if self.coverage.lost:
+            found.append(self.coverage.headline())
+        if self.regressions:
+            found.append(f"regressed: {', '.join(self.regressions)}")
+        if len(self.new_failures):
+            found.append(f"{len(self.new_failures)} new failure(s)")
+        if self.pairs.empty:
+            found.append("no (case, tensor) pair had the metric on both sides: nothing was compared")
+        return found
 
 
 def _floor(config: GateConfig, dtypes: pd.Series) -> np.ndarray:
@@ -156,8 +176,12 @@ def _class_order(name: str) -> tuple[int, str]:
     return (TENSOR_CLASSES.index(name) if name in TENSOR_CLASSES else len(TENSOR_CLASSES), name)
 
 
-def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateConfig = GateConfig()) -> DriftResult:
-    """Drift of ``current`` against ``baseline`` (both metrics tables, :mod:`reports.table` schema)."""
+def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateConfig = GateConfig(), *,
+                   reasons: Mapping[str, str] | None = None,
+                   baseline_reasons: Mapping[str, int] | None = None) -> DriftResult:
+    """Drift of ``current`` against ``baseline`` (both metrics tables, :mod:`reports.table` schema). ``reasons`` /
+    ``baseline_reasons``: the unsupported reasons of the run's cases and the baseline's counts
+    (:func:`reports.coverage_gate.coverage_against`)."""
     config.validate()
     metric = config.metric
     cur = current.loc[current["tensor"].astype(str) != ""]
@@ -204,7 +228,9 @@ def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateCo
                                           "factor", "status", "worse", "better"])
     return DriftResult(config=config, classes=classes, pairs=pairs,
                        new_failures=_new_failures(current, baseline, both), only_current=only_current,
-                       only_baseline=only_baseline)
+                       only_baseline=only_baseline,
+                       coverage=coverage_against(current, baseline, reasons=reasons,
+                                                 baseline_reasons=baseline_reasons))
 
 
 def _new_failures(current: pd.DataFrame, baseline: pd.DataFrame, both: pd.DataFrame) -> pd.DataFrame:

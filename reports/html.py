@@ -138,7 +138,17 @@ def _drift_context(drift: DriftResult | None, baseline_name: str | None, baselin
             "best": pairs.loc[pairs["ratio"] < 1.0].tail(MAX_PAIRS).iloc[::-1].to_dict("records"),
             "new_failures": drift.new_failures.to_dict("records"), "only_current": drift.only_current,
             "only_baseline": drift.only_baseline, "matched": len(drift.pairs), "regressions": drift.regressions,
-            "baseline_run": baseline_env.get("run_id"), "plot": plots.drift_plot(drift)}
+            "baseline_run": baseline_env.get("run_id"), "plot": plots.drift_plot(drift),
+            "coverage": _coverage_context(drift)}
+
+
+def _coverage_context(drift: DriftResult) -> dict[str, Any]:
+    coverage = drift.coverage
+    reasons = [{"reason": r.reason, "cases": int(r.cases), "new": bool(r.new),
+                "baseline": None if r.baseline is None or pd.isna(r.baseline) else int(r.baseline)}
+               for r in coverage.reasons.itertuples(index=False)]
+    return {"lost": coverage.lost, "line": coverage.line(), "headline": coverage.headline(),
+            "problems": coverage.problems(), "reasons": reasons}
 
 
 def _env_rows(data: RunData, baseline_env: dict[str, Any] | None) -> list[dict[str, Any]]:

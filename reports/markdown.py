@@ -134,7 +134,9 @@ def _verdict(data: RunData, drift: DriftResult | None) -> str:
     reasons = [f"{counts[o]} {word}" for o, word in (("fail", "failed"), ("error", "errored")) if counts[o]]
     if not data.complete:
         reasons.append("incomplete")
-    if drift is not None and not drift.passed:
+    if drift is not None and drift.coverage.lost:
+        reasons.append(_cell(drift.coverage.headline(), 300))
+    if drift is not None and (drift.regressions or len(drift.new_failures) or drift.pairs.empty):
         reasons.append("drift regression")
     verdict = f"**FAIL** ({', '.join(reasons)})" if reasons else "**PASS**"
     run, env = data.run, data.env
@@ -187,12 +189,12 @@ def _drift(drift: DriftResult, baseline_name: str | None) -> str:
                             right=["pairs", "median", "p90", "max", "statistic", "factor"]))
     parts.append(f"Matched pairs: {len(drift.pairs)}; only in this run: {drift.only_current}; only in the "
                  f"baseline: {drift.only_baseline}.")
-    reasons = []
-    if drift.regressions:
-        reasons.append(f"regressed: {', '.join(drift.regressions)}")
-    if len(drift.new_failures):
-        reasons.append(f"{len(drift.new_failures)} new failure(s)")
-    parts.append(f"**Drift gate: {'PASS' if drift.passed else 'FAIL'}**" + (f" — {'; '.join(reasons)}"
+    coverage = drift.coverage
+    parts.append(f"Coverage: {_cell(coverage.line(), 2000)}.")
+    if coverage.problems():
+        parts.append("\n".join(f"- **coverage lost:** {_cell(p, 400)}" for p in coverage.problems()))
+    reasons = drift.reasons()
+    parts.append(f"**Drift gate: {'PASS' if drift.passed else 'FAIL'}**" + (f" — {_cell('; '.join(reasons), 600)}"
                                                                            if reasons else ""))
     if len(drift.new_failures):
         lines = [f"- `{_cell(r.case_id, 40)}` {_cell(r.tensor or '(case)', 80)}: {r.baseline} → {r.current}"

@@ -14,6 +14,7 @@ import pandas as pd
 from rich.console import Console
 
 from .baselines import BASELINES_ROOT, Baseline, default_baseline, load_baseline
+from .coverage_gate import case_reasons
 from .drift import DriftResult, GateConfig, compare_tables
 from .html import HTML_NAME, render_html
 from .load import RunData, load_run
@@ -38,6 +39,13 @@ def gate_for(baseline: Baseline, **overrides: object) -> GateConfig:
     return config.updated(**overrides)
 
 
+def drift_of(data: RunData, table: pd.DataFrame, base: Baseline, **overrides: object) -> DriftResult:
+    """The drift gate of a run (its metrics ``table``) against ``base``, coverage included (the run's unsupported
+    reasons against the ones the baseline recorded)."""
+    return compare_tables(table, base.table, gate_for(base, **overrides), reasons=case_reasons(data.cases),
+                          baseline_reasons=base.reasons)
+
+
 def render_run(run: str | Path, *, baseline: str | None = "auto", console: Console | None = None,
                html: bool = True, csv: bool = True, top: int = 10, baselines_root: Path = BASELINES_ROOT,
                gate_overrides: dict[str, object] | None = None) -> Rendered:
@@ -51,7 +59,7 @@ def render_run(run: str | Path, *, baseline: str | None = "auto", console: Conso
     if baseline == "auto":
         baseline = default_baseline(data, baselines_root)
     base = load_baseline(baseline, current=data, root=baselines_root) if baseline else None
-    drift = compare_tables(table, base.table, gate_for(base, **(gate_overrides or {}))) if base else None
+    drift = drift_of(data, table, base, **(gate_overrides or {})) if base else None
     directory = data.directory
     csv_path = write_csv(table, directory / CSV_NAME) if csv else None
     html_path = None

@@ -141,15 +141,19 @@ def render_drift(drift: DriftResult, console: Console, *, baseline_name: str | N
         for row in drift.new_failures.head(20).itertuples(index=False):
             console.print(f"  {row.case_id} {row.tensor or '(case)'}: {row.baseline} -> {row.current}",
                           highlight=False)
+    render_coverage(drift, console, baseline_name=baseline_name)
     verdict = "[bold green]PASS[/]" if drift.passed else "[bold red]FAIL[/]"
-    reasons = []
-    if drift.regressions:
-        reasons.append(f"regressed: {', '.join(drift.regressions)}")
-    if len(drift.new_failures):
-        reasons.append(f"{len(drift.new_failures)} new failure(s)")
-    if drift.pairs.empty:
-        reasons.append("no (case, tensor) pair had the metric on both sides: nothing was compared")
-    console.print(f"drift gate: {verdict} {'; '.join(reasons)}")
+    console.print(f"drift gate: {verdict} ", end="")
+    console.print("; ".join(drift.reasons()), highlight=False, markup=False)
+
+
+def render_coverage(drift: DriftResult, console: Console, *, baseline_name: str | None = None) -> None:
+    """The coverage part of the gate: what was compared against the baseline, then each way coverage was lost."""
+    coverage = drift.coverage
+    console.print(f"coverage vs {baseline_name or 'the baseline'}: {coverage.line()}", highlight=False, markup=False)
+    for problem in coverage.problems():
+        console.print("[bold red]coverage lost:[/] ", end="")
+        console.print(problem, highlight=False, markup=False)
 
 
 def ratio_text(value: object, sign: str = "x") -> str:

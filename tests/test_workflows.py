@@ -157,15 +157,19 @@ def make_dry_run(*args: str) -> str:
     return " ".join(result.stdout.replace("\\\n", " ").split())
 
 
-def test_make_parity_is_unchanged_without_the_ci_hooks_and_passes_them_on():
-    run = "python3 -m cli run --suite smoke --provider auto --workers auto --out reports/out/latest --make-default"
-    oracles = (" for oracle in padding-dout; do python3 -m cli run --suite smoke --oracle $oracle --provider auto "
-               "--quiet || exit 1; done")  # the CPU-only metamorphic oracles (CPU_ORACLES)
+def test_make_parity_is_one_gate_command_and_passes_the_ci_hooks_on():
+    """`make parity` is one `dsv4-parity gate` (every production path, each against its baseline, the CPU oracles,
+    one closing summary); the CI hooks only add options to it."""
+    gate = ("python3 -m cli gate --suite smoke --provider auto --workers auto --out reports/out/latest --make-default "
+            "--baseline auto")
+    oracles = " --with-oracle padding-dout"  # the CPU-only metamorphic oracles (CPU_ORACLES)
     plain = make_dry_run("parity", "CPU_ORACLES=padding-dout")
-    assert plain == run + oracles
-    hooked = make_dry_run("parity", "CPU_ORACLES=padding-dout", "JUNIT=out/junit.xml",
+    assert plain == gate + oracles
+    hooked = make_dry_run("parity", "CPU_ORACLES=padding-dout", "JUNIT=out/junit.xml", "BASELINE=none",
                           "RUN_ARGS=--impl megatron --megatron /src/Megatron-LM")
-    assert hooked == run + " --junit out/junit.xml --impl megatron --megatron /src/Megatron-LM" + oracles
+    assert hooked == (gate.replace("--baseline auto", "--baseline none") + " --junit out/junit.xml" + oracles
+                      + " --impl megatron --megatron /src/Megatron-LM")
+    assert make_dry_run("parity", "CPU_ORACLES=") == gate  # a GPU runner: no oracle
     assert make_dry_run("drift", "OUT=out") == "python3 -m cli compare out --baseline auto"
     assert make_dry_run("summary", "OUT=out", "BASELINE=production") == (
         "python3 -m cli report out --format markdown --no-html --no-csv --baseline production")
@@ -191,3 +195,45 @@ def test_the_session_script_names_its_stages_when_called_without_one():
     script = next(p for p in CI_SCRIPTS if p.name == "h200-session.sh")
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**os.environ, "OUT": "/tmp"})
     assert done.returncode == 2 and "fused|megatron|extras" in done.stderr
+
+
+# ---- the GPU job's Python and the Megatron gate's exact revision (issue 32, item 11) -------------------------------
+def installs_into_the_runners_python(text: str) -> list[str]:
+    """Lines that pip-install into the runner's shared Python (``$PARITY_PYTHON -m pip``) instead of a job venv."""
+    return [line.strip() for line in text.splitlines() if re.search(r'"?\$PARITY_PYTHON"? -m pip', line)]
+
+
+def test_the_gpu_job_installs_only_into_its_own_virtual_environment():
+    text = (ROOT / ".github" / "workflows" / "parity-gpu.yml").read_text()
+    assert installs_into_the_runners_python(text) == []
+    assert '-m venv --system-site-packages "$venv"' in text and '"$venv/bin/python" -m pip install' in text
+    assert "PYTHON=\"$VENV_PYTHON\"" in text  # make runs in the venv
+    # negative control: the former install step is caught
+    assert installs_into_the_runners_python("""          "$PARITY_PYTHON" -m pip install -e '.[gpu]'""")
+
+
+def megatron_sha_problems(text: str) -> list[str]:
+    """The Megatron PR gate must take the head SHA as a required input, refuse anything but 40 hex digits, and
+    gate exactly that commit."""
+    problems = []
+    if not re.search(r"head-sha:\n\s+description: .*\n\s+type: string\n\s+required: true", text):
+        problems.append("no required head-sha input")
+    if "^[0-9a-f]{40}$" not in text:
+        problems.append("head-sha is not checked to be a full SHA")
+    if "megatron-ref: ${{ inputs.head-sha }}" not in text:
+        problems.append("the gated ref is not the head SHA")
+    if "refs/pull/" in text.split("jobs:", 1)[1]:
+        problems.append("gates the pull request's moving head ref")
+    return problems
+
+
+def test_the_megatron_gate_checks_out_and_reports_the_exact_head_sha():
+    megatron = (ROOT / ".github" / "workflows" / "parity-megatron.yml").read_text()
+    assert megatron_sha_problems(megatron) == []
+    gpu = (ROOT / ".github" / "workflows" / "parity-gpu.yml").read_text()
+    assert "gated=$(git -C megatron-lm rev-parse HEAD)" in gpu and '>> "$GITHUB_STEP_SUMMARY"' in gpu
+    assert 'not the requested $MEGATRON_REF' in gpu
+    # negative control: the former dispatch (a pull request number, its moving head ref)
+    old = ("on:\n  workflow_dispatch:\n    inputs:\n      pull-request:\n        type: number\njobs:\n  megatron:\n"
+           "    with:\n      megatron-ref: refs/pull/${{ inputs.pull-request }}/head\n")
+    assert len(megatron_sha_problems(old)) == 4

@@ -19,7 +19,7 @@ Where Megatron comes from: ``DSV4_MEGATRON`` (set by ``--megatron PATH``) or the
 
 from .layer import attention_layer, core_attention
 from .kernel_calls import observe_kernels
-from .providers import available_providers, describe, provider_name, use_backend
+from .providers import available_providers, describe, gate_paths, provider_name, use_backend
 from .source import MegatronSourceError
 
 #: declared top-k tie behaviour: production uses torch.topk (dsa.py), arbitrary among exact ties
@@ -45,7 +45,8 @@ def precision(case) -> str:
 
 
 __all__ = ["MegatronSourceError", "TOPK_TIE_RULE", "attention_layer", "available_providers", "check_ready",
-           "core_attention", "describe", "known_deviations", "observe_kernels", "precision", "provider_name",
+           "core_attention", "describe", "gate_paths", "known_deviations", "observe_kernels", "precision",
+           "provider_name",
            "use_backend"]
 
 

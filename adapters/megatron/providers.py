@@ -167,3 +167,14 @@ def provider_name(provider: str) -> str:
     every case on any device; the real kernels are asked for by name (``make parity`` passes ``--provider cudnn`` on
     a GPU runner with the kernels installed)."""
     return "unfused" if provider in ("auto", "none", "torch") else provider
+
+
+def gate_paths(provider: str = "auto") -> list:
+    """Production's paths a gate runs, one run each (``dsv4-parity gate``, ``make parity``): its unfused PyTorch path
+    (its default, ``dsa_kernel_backend="none"``) and its fused path — ``provider`` when that names a fused-path
+    provider (``cudnn`` / ``emulated``), else ``cudnn`` where the real kernels run here, else ``emulated``."""
+    if provider in ("cudnn", "emulated"):
+        fused = provider
+    else:
+        fused = "cudnn" if real_kernels.unavailable_reason() is None else "emulated"
+    return ["unfused", fused]

@@ -62,6 +62,19 @@ def test_another_implementations_run_has_its_own_default_baseline(runs, tmp_path
     assert default_baseline(data, tmp_path) == "cpu/smoke"
 
 
+def test_each_production_path_has_its_own_default_baseline(runs, tmp_path):
+    """``<impl>-<provider>-<suite>``, the provider as the implementation resolved it (``impl_info.provider``: auto
+    -> unfused), so the unfused path is never gated against the fused path's baseline."""
+    unfused = load_run(runs["base"])
+    unfused.run.update(impl="megatron", provider="auto", impl_info={"provider": "unfused"})
+    cudnn = load_run(runs["base"])
+    cudnn.run.update(impl="megatron", provider="cudnn")
+    assert default_name(unfused) == "megatron-unfused-smoke" and default_name(cudnn) == "megatron-cudnn-smoke"
+    save_baseline(cudnn, metrics_table(cudnn), default_name(cudnn), root=tmp_path)
+    assert default_baseline(cudnn, tmp_path) == "cpu/megatron-cudnn-smoke"
+    assert default_baseline(unfused, tmp_path) is None  # negative control: not the other path's
+
+
 def test_the_baseline_records_the_implementations_revision_and_stand_ins(runs, tmp_path):
     """``env.json`` keeps the run row's ``impl_info`` (Megatron's revision, provider, stand-ins) when there is one."""
     production = load_run(runs["base"])

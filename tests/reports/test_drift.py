@@ -123,11 +123,15 @@ def test_a_case_that_now_errors_is_a_new_failure(tables):
                                                        "current": "error"}]
 
 
-def test_pairs_on_one_side_only_are_counted_not_gated(tables):
+def test_pairs_only_in_the_run_are_counted_not_gated_but_pairs_only_in_the_baseline_fail(tables):
+    """Suites grow (cases only in the run pass); cases the run lost are lost coverage (reports/coverage_gate.py)."""
     current = tables["same"]
     dropped = current.loc[current["tensor_class"] == "out", "case_id"].iloc[:3]
-    result = compare_tables(current.loc[~current["case_id"].isin(dropped)], tables["base"])
-    assert result.passed and result.only_baseline > 0 and result.only_current == 0
+    grown = compare_tables(current, tables["base"].loc[~tables["base"]["case_id"].isin(dropped)])
+    assert grown.passed and grown.only_current > 0 and grown.only_baseline == 0
+    shrunk = compare_tables(current.loc[~current["case_id"].isin(dropped)], tables["base"])
+    assert not shrunk.passed and shrunk.only_baseline > 0 and shrunk.only_current == 0
+    assert sorted(shrunk.coverage.absent) == sorted(dropped) and shrunk.regressions == []
 
 
 @pytest.mark.parametrize("settings, field", [

@@ -1,0 +1,203 @@
+"""``dsv4-parity gate``: every production path of an implementation in one gate (what ``make parity`` runs).
+
+A **path** is one provider of the implementation, run as its own ordinary ``run`` and judged against its own baseline
+(:mod:`reports.gate`). ``--paths auto`` asks the implementation (``parity.impls.Implementation.gate_paths``):
+
+* ``--impl fused`` — the one ``--provider`` (as ``make parity`` always ran it);
+* ``--impl megatron`` — production's **unfused** path (its default, ``dsa_kernel_backend="none"``) and its **fused**
+  path: ``cudnn`` (the real kernels) where they run here, else ``emulated`` (its fused code over this project's torch
+  kernels); ``--provider cudnn|emulated`` picks the fused path's provider.
+
+``--paths P[,P]`` names them. Every other option is ``run``'s, passed to each path's run unchanged (``--provider``
+and ``--out`` are set per path). ``--with-oracle NAME`` (repeatable) also runs that metamorphic oracle on the
+``fused`` composition (the smoke suite), as ``make parity`` does on a CPU.
+
+Output: one path — ``--out`` is its run directory; several — ``--out`` is a gate directory (``gate.json``,
+``index.html`` side by side, ``<path>/`` per run; a ``--junit`` file merges the paths' suites). Oracle runs go beside
+``--out`` (``<out>.oracle-<name>``). The command ends with one summary: a row per run, what each compared, why any
+failed, the verdict and the report to open. Exit 0 when every run passed, 1 when one failed (a failing or erroring
+case, an incomplete run, a drift or coverage loss against its baseline, a missing baseline), 2 for a usage error.
+``--resume`` continues a killed gate: each path's recorded run, and the paths not started yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Optional, Sequence
+
+from cases.errors import CaseError
+from parity.impls import ImplError, load
+from parity.runner import new_run_id, point_link, resolve_out_dir
+
+from cli.options import add_implementation_options, add_output_options, add_selection_options
+from reports.baselines import BASELINES_ROOT
+from reports.errors import ReportError
+from reports.gate import (INDEX, judge, parse_baselines, print_summary, read_manifest, title_of, write_index,
+                          write_manifest)
+
+#: gate-only options (not passed to the runs) and whether each takes a value; then the run options set per path.
+GATE_OPTIONS = {"--paths": True, "--baseline": True, "--with-oracle": True, "--baselines-dir": True}
+PER_PATH = {"--provider": True, "--out": True, "--junit": True, "--make-default": False, "--no-report": False,
+            "--resume": False}
+FUSED_PROVIDERS = ("auto", "torch", "cudnn", "flashmla")
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    gate = subparsers.add_parser(
+        "gate", help="every production path in one gate: a run per path, each against its own baseline",
+        description=_plain(__doc__.split("\n\n", 1)[1]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_selection_options(gate)
+    add_implementation_options(gate)
+    gate.add_argument("--require", metavar="PROVIDER", help="as `run --require`, for every path")
+    add_output_options(gate)
+    gate.add_argument("--paths", default="auto", metavar="auto|P[,P]",
+                      help="the providers to gate, one run each (default auto: the implementation's production paths)")
+    gate.add_argument("--baseline", default="auto", metavar="auto|none|NAME|P=NAME,...",
+                      help="each path's drift and coverage baseline: auto (ARCH/<its default name>; a missing one "
+                           "fails the path), none (not gated against one), NAME (a gate of one path) or PATH=NAME "
+                           "pairs")
+    gate.add_argument("--with-oracle", action="append", default=[], metavar="NAME",
+                      help="also run metamorphic oracle NAME on the fused composition, smoke suite (repeatable)")
+    gate.add_argument("--baselines-dir", type=Path, default=BASELINES_ROOT, help=argparse.SUPPRESS)
+    gate.set_defaults(func=gate_command)
+
+
+def _plain(text: str) -> str:
+    """The module docstring as plain text for ``--help`` (no reStructuredText markup)."""
+    text = re.sub(r":\w+:`([^`]+)`", r"\1", text)
+    return text.replace("``", "`").replace("**", "")
+
+
+def strip_options(tokens: Sequence[str], names: dict) -> list[str]:
+    """``tokens`` without the options ``names`` (``{option: takes a value}``), in ``--opt V`` or ``--opt=V`` form."""
+    out, skip = [], False
+    for token in tokens:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in names:
+            skip = names[name] and "=" not in token
+            continue
+        out.append(token)
+    return out
+
+
+def paths_of(args: argparse.Namespace) -> list[str]:
+    """The providers to gate (``--paths``; auto: the implementation's production paths for ``--provider``)."""
+    if args.paths and args.paths != "auto":
+        names = [p.strip() for p in args.paths.split(",") if p.strip()]
+        if not names or len(set(names)) != len(names):
+            raise CaseError("paths", f"expected distinct providers, e.g. unfused,emulated; got {args.paths!r}")
+        return names
+    return load(args.impl).gate_paths(args.provider)
+
+
+def _run(argv: list[str]) -> int:
+    from cli.main import main  # noqa: PLC0415 — cli.main registers this module's parser
+
+    return main(argv)
+
+
+def _merge_junit(parts: list[tuple[str, Path]], target: Path) -> None:
+    """One ``<testsuites>`` holding each path's ``<testsuite>`` (named and class-prefixed by its path)."""
+    suites = ET.Element("testsuites")
+    for name, path in parts:
+        if not path.is_file():
+            continue
+        suite = ET.parse(path).getroot()
+        suite.set("name", f"{suite.get('name', 'dsv4-parity')}.{name}")
+        for case in suite.iter("testcase"):
+            case.set("classname", f"{name}.{case.get('classname', '')}")
+        suites.append(suite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(suites).write(target, encoding="utf-8", xml_declaration=True)
+
+
+def gate_command(args: argparse.Namespace) -> int:
+    from cli.report_command import _console  # noqa: PLC0415
+
+    tokens = list(getattr(args, "argv", sys.argv[1:]))
+    tokens = tokens[1:] if tokens and tokens[0] == "gate" else tokens
+    try:
+        out_dir, link, manifest, names = _plan(args, tokens)
+        baselines = parse_baselines(args.baseline, names)
+    except (CaseError, ImplError, ReportError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if link is not None:
+        point_link(link, out_dir)
+    run_tokens = strip_options(manifest["argv"], {**GATE_OPTIONS, **PER_PATH})
+    multi = len(names) > 1
+    if multi:
+        write_manifest(out_dir, manifest)
+    junits: list[tuple[str, Path]] = []
+    for index, name in enumerate(names, 1):
+        path_dir = out_dir / name if multi else out_dir
+        if args.resume and (path_dir / "results.jsonl").is_file():  # its own recorded run, continued as recorded
+            argv = ["run", "--out", str(path_dir), "--resume"]
+        else:
+            argv = ["run", *run_tokens, "--provider", name, "--out", str(path_dir)]
+        if args.junit:
+            argv += ["--junit", str(path_dir / "junit.xml" if multi else args.junit)]
+            junits.append((name, path_dir / "junit.xml"))
+        print(f"gate: path {index} of {len(names)}: {name} -> {path_dir}", file=sys.stderr, flush=True)
+        if _run(argv) == 2:
+            print(f"error: gate: the run of path {name} stopped on the error above (exit 2); the gate stops",
+                  file=sys.stderr)
+            return 2
+    oracle_dirs = []
+    for oracle in args.with_oracle:
+        target = out_dir.parent / f"{out_dir.name}.oracle-{oracle}"
+        if args.resume and (target / "results.jsonl").is_file():
+            argv = ["run", "--out", str(target), "--resume", "--quiet"]
+        else:
+            provider = args.provider if args.provider in FUSED_PROVIDERS else "auto"
+            argv = ["run", "--suite", "smoke", "--oracle", oracle, "--provider", provider, "--quiet", "--out",
+                    str(target)] + (["--force"] if args.force else [])
+        print(f"gate: oracle {oracle} (fused, smoke) -> {target}", file=sys.stderr, flush=True)
+        if _run(argv) == 2:
+            print(f"error: gate: the {oracle} oracle run stopped on the error above (exit 2)", file=sys.stderr)
+            return 2
+        oracle_dirs.append((oracle, target))
+    if args.junit and multi:
+        _merge_junit(junits, args.junit)
+
+    console = _console()
+    verdicts = [judge("path", name, out_dir / name if multi else out_dir, baselines[name], console=console,
+                      baselines_root=args.baselines_dir) for name in names]
+    verdicts += [judge("oracle", f"{oracle} (fused, smoke)", target) for oracle, target in oracle_dirs]
+    title = title_of(manifest)
+    report = write_index(out_dir, verdicts, title=title) if multi else out_dir / INDEX
+    print_summary(verdicts, console, title=title, report=report)
+    return 0 if all(v.passed for v in verdicts) else 1
+
+
+def _plan(args: argparse.Namespace, tokens: list[str]) -> tuple[Path, Optional[Path], dict, list[str]]:
+    """``(out_dir, link to move or None, manifest, path names)``; a resumed gate reads them back."""
+    if args.resume:
+        if not args.out:
+            raise CaseError("resume", "needs --out DIR, the gate directory (or run directory) to continue")
+        out_dir, _ = resolve_out_dir(args.out, "", False, True)
+        manifest = read_manifest(out_dir)
+        if manifest is not None:
+            return out_dir, None, manifest, [str(p["name"]) for p in manifest["paths"]]
+        if not (out_dir / "results.jsonl").is_file():
+            raise CaseError("resume", f"{out_dir} holds no gate and no run to continue")
+        return out_dir, None, {"argv": tokens, "impl": args.impl, "suite": args.suite,
+                               "paths": [{"name": args.provider}]}, [args.provider]
+    names = paths_of(args)
+    impl = load(args.impl)
+    impl.check_ready()
+    for name in names:
+        impl.check_provider(name)
+    label = args.suite or ("adhoc" if args.case or args.case_id else "smoke")
+    gate_id = new_run_id(label, args.impl) + ("-gate" if len(names) > 1 else "")
+    out_dir, link = resolve_out_dir(args.out, gate_id, args.make_default, False)
+    manifest = {"gate_id": gate_id, "impl": args.impl, "suite": label, "argv": tokens,
+                "paths": [{"name": n, "dir": n} for n in names]}
+    return out_dir, link, manifest, names

@@ -1,0 +1,200 @@
+"""Coverage against a baseline: the part of the drift gate that fails a run for the work it did not do.
+
+A run can pass every comparison it made and still have made far fewer than its baseline: cases declined as
+``unsupported`` (a kernel bridge that refuses what production asks for), cases never started (``--budget-s``), a
+results file cut in half. :func:`coverage_against` compares what the run compared with what the baseline compared;
+the gate (:attr:`reports.drift.DriftResult.passed`) fails when any of these holds (:attr:`Coverage.lost`):
+
+* a case the baseline **ran** (outcome ``pass`` / ``known`` / ``fail``) is now ``unsupported``, or absent from the run;
+* a tensor the baseline compared (a row with a verdict) is missing from a case still in the run (an ``error``, a
+  case cut off mid-write, an implementation that stopped providing it);
+* an unsupported **reason** appears that the baseline did not have (:func:`reason_key`: the one-line message with
+  standalone integers as ``N``, so ``indexer_topk=512`` and ``indexer_topk=1024`` are one reason).
+
+Cases and tensors only the run has are never gated (suites grow). An intentional loss of coverage is accepted only by
+retaking the baseline (``dsv4-parity compare RUN --update``).
+
+A baseline records its reasons with their counts in ``env.json`` (``unsupported_reasons``, written by
+:func:`reports.baselines.provenance`). A baseline recorded before that has none: its reasons are then inferred as
+those of the cases unsupported in both runs (:attr:`Coverage.reasons_recorded` False; the views say so), so a reason
+of a case the baseline ran, or of a new case, still counts as new.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import pandas as pd
+
+RAN = ("pass", "known", "fail")
+REASON_CHARS = 200
+SHOWN_CHARS = 110
+EXAMPLES = 3
+_INTEGER = re.compile(r"(?<![\w.])\d+(?![\w.])")
+
+
+def reason_key(message: Any) -> str:
+    """The unsupported reason of a case message: one line, standalone integers as ``N``, at most
+    :data:`REASON_CHARS` characters (``BridgeRefused: flash_mla_sparse_fwd(indexer_topk=N): …``)."""
+    text = " ".join(str(message or "").split()) or "(no reason given)"
+    text = _INTEGER.sub("N", text)
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
+
+
+def shown(reason: str, width: int = SHOWN_CHARS) -> str:
+    """A reason clipped for a summary line."""
+    return reason if len(reason) <= width else reason[:width - 1] + "…"
+
+
+def case_reasons(cases: pd.DataFrame) -> dict[str, str]:
+    """``{case_id: reason_key(message)}`` of the unsupported cases of a case frame (:mod:`reports.load`)."""
+    if cases.empty or "message" not in cases:
+        return {}
+    rows = cases.loc[cases["outcome"] == "unsupported"]
+    return {str(c): reason_key(m) for c, m in zip(rows["case_id"], rows["message"])}
+
+
+def reason_counts(cases: pd.DataFrame) -> dict[str, int]:
+    """``{reason: cases}`` of a case frame, most frequent first (what a baseline's ``env.json`` records)."""
+    counts = pd.Series(list(case_reasons(cases).values()), dtype=object).value_counts()
+    return {str(k): int(v) for k, v in counts.items()}
+
+
+def _per_case(table: pd.DataFrame) -> pd.Series:
+    if table.empty:
+        return pd.Series(dtype=object)
+    return table.drop_duplicates("case_id").set_index("case_id")["outcome"].astype(str)
+
+
+def _compared(table: pd.DataFrame) -> pd.DataFrame:
+    """The (case, tensor) rows a run compared: a tensor name and a verdict."""
+    rows = table.loc[(table["tensor"].astype(str) != "") & table["verdict"].notna(), ["case_id", "tensor"]]
+    return rows.drop_duplicates()
+
+
+@dataclass
+class Coverage:
+    """What the run compared against what the baseline compared (module docstring).
+
+    ``now_unsupported``: case_id, baseline (its outcome there), reason. ``absent``: ids of cases the baseline ran
+    that the run lacks. ``missing_tensors``: case_id, tensor — compared in the baseline, missing from a case still in
+    the run (``errored``: how many of those cases now error). ``reasons``: reason, cases (in the run), baseline (cases there; None when not recorded), new."""
+
+    baseline_ran: int
+    compared: int
+    baseline_tensors: int
+    tensors: int
+    now_unsupported: pd.DataFrame
+    absent: list[str]
+    missing_tensors: pd.DataFrame
+    reasons: pd.DataFrame
+    reasons_recorded: bool
+    baseline_unsupported: int = 0
+    errored: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def new_reasons(self) -> list[str]:
+        return self.reasons.loc[self.reasons["new"], "reason"].tolist()
+
+    @property
+    def lost(self) -> bool:
+        return bool(len(self.now_unsupported) or self.absent or len(self.missing_tensors) or self.new_reasons)
+
+    def problems(self) -> list[str]:
+        """One plain sentence per way coverage was lost (empty when none was)."""
+        found = []
+        if len(self.now_unsupported):
+            by_reason = self.now_unsupported["reason"].value_counts()
+            listed = "; ".join(f"{shown(str(r))} ({n})" for r, n in by_reason.items())
+            found.append(f"{len(self.now_unsupported)} case(s) the baseline ran now unsupported: {listed}")
+        if self.absent:
+            found.append(f"{len(self.absent)} of the baseline's {self.baseline_ran} run cases absent from the run "
+                         f"(not run or cut off), e.g. {', '.join(self.absent[:EXAMPLES])}")
+        if len(self.missing_tensors):
+            cases = self.missing_tensors["case_id"].nunique()
+            examples = ", ".join(f"{c}/{t}" for c, t in self.missing_tensors.head(EXAMPLES).itertuples(index=False))
+            errored = f" ({self.errored} of them now error)" if self.errored else ""
+            found.append(f"{len(self.missing_tensors)} tensor(s) compared in the baseline missing from {cases} case(s) "
+                         f"still in the run{errored}, e.g. {examples}")
+        for row in self.reasons.loc[self.reasons["new"]].itertuples(index=False):
+            found.append(f"new unsupported reason ({row.cases} case(s)): {shown(str(row.reason))}")
+        return found
+
+    def headline(self) -> str:
+        """``coverage lost: <the first problem>`` (and how many more), or ``coverage: equal to the baseline``."""
+        problems = self.problems()
+        if not problems:
+            return "coverage: equal to the baseline" + ("" if not self.notes else f" ({'; '.join(self.notes)})")
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return f"coverage lost: {problems[0]}{more}"
+
+    def line(self) -> str:
+        """What was compared, against the baseline: cases, tensors and the unsupported reasons with both counts."""
+        text = (f"{self.compared} of the baseline's {self.baseline_ran} run cases compared, {self.tensors} of its "
+                f"{self.baseline_tensors} tensors")
+        return f"{text}; unsupported: {self.reasons_text()}"
+
+    def reasons_text(self) -> str:
+        if self.reasons.empty:
+            return "none (baseline: none)"
+        parts = []
+        for row in self.reasons.itertuples(index=False):
+            base = "?" if row.baseline is None or pd.isna(row.baseline) else str(int(row.baseline))
+            parts.append(f"{int(row.cases)} {shown(str(row.reason), 80)} (baseline {base}{', NEW' if row.new else ''})")
+        text = "; ".join(parts)
+        if not self.reasons_recorded:
+            text += (f" [the baseline records no reasons ({self.baseline_unsupported} unsupported case(s)): inferred "
+                     f"from the cases unsupported in both; retake it to record them]")
+        return text
+
+
+def coverage_against(current: pd.DataFrame, baseline: pd.DataFrame, *, reasons: Mapping[str, str] | None = None,
+                     baseline_reasons: Mapping[str, int] | None = None) -> Coverage:
+    """Coverage of ``current`` against ``baseline`` (metrics tables, :mod:`reports.table`).
+
+    ``reasons``: ``{case_id: reason}`` of the run's unsupported cases (:func:`case_reasons`; None: every such case
+    reads ``(reason not given)``). ``baseline_reasons``: ``{reason: cases}`` from the baseline's ``env.json``; None
+    when it records none (then inferred, module docstring)."""
+    cur_outcome, base_outcome = _per_case(current), _per_case(baseline)
+    ran = base_outcome[base_outcome.isin(RAN)]
+    now = cur_outcome.reindex(ran.index)
+    unsupported_ids = now.index[now == "unsupported"].tolist()
+    absent = now.index[now.isna()].tolist()
+    reasons = dict(reasons or {})
+    cur_unsupported = cur_outcome.index[cur_outcome == "unsupported"]
+    reason_of = {str(c): reasons.get(str(c), "(reason not given)") for c in cur_unsupported}
+    now_unsupported = pd.DataFrame({"case_id": unsupported_ids,
+                                    "baseline": [ran[c] for c in unsupported_ids],
+                                    "reason": [reason_of[str(c)] for c in unsupported_ids]},
+                                   columns=["case_id", "baseline", "reason"])
+
+    base_rows, cur_rows = _compared(baseline), _compared(current)
+    lost_cases = set(unsupported_ids) | set(absent)
+    merged = base_rows.merge(cur_rows, on=["case_id", "tensor"], how="left", indicator=True)
+    gone = merged.loc[merged["_merge"] == "left_only", ["case_id", "tensor"]]
+    missing = gone.loc[~gone["case_id"].isin(lost_cases)].reset_index(drop=True)
+
+    base_unsupported = base_outcome.index[base_outcome == "unsupported"]
+    if baseline_reasons is not None:
+        known = {str(k): int(v) for k, v in baseline_reasons.items()}
+        recorded = True
+    else:  # inferred: the reasons of the cases unsupported in both
+        both = [str(c) for c in base_unsupported if str(c) in reason_of]
+        known = pd.Series([reason_of[c] for c in both], dtype=object).value_counts().to_dict()
+        recorded = False
+    counts = pd.Series(list(reason_of.values()), dtype=object).value_counts()
+    names = list(counts.index) + [r for r in known if r not in counts.index]
+    table = pd.DataFrame({"reason": names,
+                          "cases": [int(counts.get(r, 0)) for r in names],
+                          "baseline": [known.get(r, 0) if recorded else known.get(r) for r in names],
+                          "new": [r not in known for r in names]},
+                         columns=["reason", "cases", "baseline", "new"])
+    table["new"] = table["new"].astype(bool)
+    return Coverage(baseline_ran=len(ran), compared=int(now.isin(RAN).sum()),
+                    baseline_tensors=len(base_rows), tensors=len(base_rows) - len(gone),
+                    now_unsupported=now_unsupported, absent=[str(c) for c in absent], missing_tensors=missing,
+                    reasons=table, reasons_recorded=recorded, baseline_unsupported=len(base_unsupported),
+                    errored=int((cur_outcome.reindex(missing["case_id"].unique()) == "error").sum()))

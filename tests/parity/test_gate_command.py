@@ -1,0 +1,153 @@
+"""``dsv4-parity gate`` (``make parity``): every production path in one gate, each against its own baseline, one
+summary at the end naming the report to open (cli/gate_command.py, reports/gate.py).
+
+One tiny smoke case per run keeps these quick (a few seconds each); the Megatron ones need Megatron-LM (the pinned
+snapshot or ``DSV4_MEGATRON``) and are skipped, saying why, without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from cli.gate_command import paths_of, strip_options
+from cli.main import build_parser, main
+from parity.impls import load
+
+CASE = "8cd3769bc4c5"  # smoke: r = 0, BSHD, 2 tokens, float64, layer scope; passes on every provider
+
+
+def megatron_source() -> str | None:
+    from adapters.megatron import source
+
+    return os.environ.get(source.ENV_PATH) or (str(source.find_snapshot()) if source.find_snapshot() else None)
+
+
+needs_megatron = pytest.mark.skipif(megatron_source() is None, reason="no Megatron-LM: the pinned snapshot "
+                                    "../shared/megatron/megatron-lm-dev-*.tar.gz is absent and DSV4_MEGATRON is unset")
+
+
+def gate(*argv: str) -> int:
+    return main(["gate", "--suite", "smoke", "--case-id", CASE, "--threads", "1", "--quiet", *argv])
+
+
+def last_lines(text: str, n: int = 2) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()][-n:]
+
+
+def test_the_paths_of_each_implementation():
+    parser = build_parser()
+    args = parser.parse_args(["gate", "--impl", "fused", "--provider", "torch"])
+    assert paths_of(args) == ["torch"]  # the composition: the one provider asked for
+    assert paths_of(parser.parse_args(["gate", "--paths", "auto,torch"])) == ["auto", "torch"]
+    megatron = load("megatron")
+    assert megatron.gate_paths("auto") == ["unfused", "emulated"]  # no GPU here: the fused path emulated
+    assert megatron.gate_paths("cudnn") == ["unfused", "cudnn"]  # a GPU runner with the kernels
+    assert megatron.gate_paths("unfused") == ["unfused", "emulated"]  # every production path, whatever is asked
+    assert load("reference").gate_paths("auto") == ["auto"]  # negative control: no hook, one path
+
+
+def test_gate_only_options_are_not_passed_to_the_runs():
+    tokens = ["--suite", "smoke", "--paths=a,b", "--baseline", "none", "--with-oracle", "padding-dout", "--quiet",
+              "--out", "x", "--make-default"]
+    assert strip_options(tokens, {"--paths": True, "--baseline": True, "--with-oracle": True, "--out": True,
+                                  "--make-default": False}) == ["--suite", "smoke", "--quiet"]
+    assert strip_options(tokens, {}) == tokens  # negative control
+
+
+def test_a_gate_of_two_paths_writes_one_directory_and_ends_on_its_report(tmp_path, capsys):
+    out = tmp_path / "g"
+    assert gate("--paths", "auto,torch", "--baseline", "none", "--out", str(out), "--junit",
+                str(tmp_path / "junit.xml")) == 0
+    text = capsys.readouterr().out
+    manifest = json.loads((out / "gate.json").read_text())
+    assert [p["name"] for p in manifest["paths"]] == ["auto", "torch"]
+    assert (out / "auto" / "results.jsonl").is_file() and (out / "torch" / "index.html").is_file()
+    assert last_lines(text) == ["gate: PASS", f"report: {out / 'index.html'}"]
+    page = (out / "index.html").read_text()
+    assert 'href="auto/index.html"' in page and 'href="torch/index.html"' in page and "PASS" in page
+    suites = ET.parse(tmp_path / "junit.xml").getroot()
+    assert suites.tag == "testsuites" and [s.get("name") for s in suites] == ["dsv4-parity.smoke.auto",
+                                                                              "dsv4-parity.smoke.torch"]
+    # `report` and `compare` read a gate directory too
+    assert main(["report", str(out), "--baseline", "none"]) == 0
+    assert last_lines(capsys.readouterr().out) == ["gate: PASS", f"report: {out / 'index.html'}"]
+    assert main(["report", str(out), "--baseline", "none", "--format", "markdown"]) == 0
+    markdown = capsys.readouterr().out
+    assert markdown.startswith("## dsv4-parity gate: **PASS**") and "### path `torch`" in markdown
+
+
+def test_a_path_without_its_baseline_fails_the_gate(tmp_path, capsys):
+    """A gate that checked no coverage must not pass: a missing auto baseline fails its path (exit 1)."""
+    out = tmp_path / "one"
+    assert gate("--out", str(out), "--baselines-dir", str(tmp_path / "none")) == 1
+    text = capsys.readouterr().out
+    assert "auto FAIL: no baseline cpu/smoke: coverage and drift not checked" in text
+    verdict, report = last_lines(text)
+    assert verdict.startswith("gate: FAIL — auto: no baseline cpu/smoke") and report == f"report: {out / 'index.html'}"
+    # negative control: with that baseline recorded from the run itself, the same gate passes
+    assert main(["compare", str(out), "--update", "--baselines-dir", str(tmp_path / "b")]) == 0
+    assert gate("--out", str(tmp_path / "two"), "--baselines-dir", str(tmp_path / "b")) == 0
+
+
+def test_a_bad_baseline_option_is_a_usage_error(tmp_path, capsys):
+    assert gate("--paths", "auto,torch", "--baseline", "cpu/smoke", "--out", str(tmp_path / "g")) == 2
+    assert "name one baseline per path" in capsys.readouterr().err
+    assert gate("--paths", "auto,auto", "--out", str(tmp_path / "h")) == 2
+    assert not (tmp_path / "g").exists() and not (tmp_path / "h").exists()
+
+
+@needs_megatron
+def test_production_gate_runs_both_paths_each_against_its_own_baseline(tmp_path, capsys, monkeypatch):
+    """``--impl megatron`` gates the unfused and the emulated path (no GPU here); each gets its own baseline
+    (cpu/megatron-unfused-smoke, cpu/megatron-emulated-smoke); a path that lost coverage fails the gate."""
+    monkeypatch.setenv("DSV4_MEGATRON", megatron_source())
+    baselines = tmp_path / "baselines"
+    first = tmp_path / "first"
+    assert gate("--impl", "megatron", "--baseline", "none", "--out", str(first)) == 0
+    assert main(["compare", str(first), "--update", "--baselines-dir", str(baselines)]) == 0
+    assert sorted(p.name for p in (baselines / "cpu").iterdir()) == ["megatron-emulated-smoke",
+                                                                    "megatron-unfused-smoke"]
+    capsys.readouterr()
+    second = tmp_path / "second"
+    assert gate("--impl", "megatron", "--out", str(second), "--baselines-dir", str(baselines)) == 0
+    text = capsys.readouterr().out
+    assert "unfused: provider unfused" in text and "emulated: provider emulated" in text
+    assert "vs cpu/megatron-emulated-smoke: 1 of the baseline's 1 run cases compared" in text
+    # the emulated path declines its case: coverage lost on that path alone, the gate fails
+    stream = second / "emulated" / "results.jsonl"
+    rows = [json.loads(line) for line in stream.read_text().splitlines()]
+    rows = [r for r in rows if r["type"] not in ("tensor", "metric")]
+    for row in rows:
+        if row["type"] == "case":
+            row.update(outcome="unsupported", message="BridgeRefused: flash_mla_sparse_fwd(indexer_topk=128)")
+            row.pop("n_rows", None)
+    stream.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["compare", str(second), "--baselines-dir", str(baselines)]) == 1
+    assert main(["report", str(second), "--baselines-dir", str(baselines)]) == 0
+    text = capsys.readouterr().out
+    assert "emulated FAIL: coverage lost: 1 case(s) the baseline ran now unsupported: BridgeRefused" in text
+    assert "gate: FAIL — emulated: coverage lost" in text
+
+
+def test_a_killed_gate_resumes_each_path_and_starts_the_rest(tmp_path, capsys):
+    out = tmp_path / "g"
+    assert gate("--paths", "auto,torch", "--baseline", "none", "--out", str(out)) == 0
+    first = out / "auto" / "results.jsonl"
+    rows = first.read_text().splitlines()
+    first.write_text("\n".join(rows[:1]) + "\n")  # killed before its case finished: only the run row
+    for path in (out / "torch").iterdir():
+        path.unlink()
+    (out / "torch").rmdir()  # the second path never started
+    capsys.readouterr()
+    assert main(["gate", "--out", str(out), "--resume", "--baseline", "none"]) == 0
+    assert last_lines(capsys.readouterr().out) == ["gate: PASS", f"report: {out / 'index.html'}"]
+    for name in ("auto", "torch"):
+        stream = (out / name / "results.jsonl").read_text()
+        assert stream.count('"type":"case"') == 1 and '"type":"end"' in stream
+    # negative control: --resume of a directory holding neither a gate nor a run is refused
+    assert main(["gate", "--out", str(tmp_path / "empty"), "--resume"]) == 2

@@ -1,0 +1,227 @@
+"""Coverage is part of the drift gate (reports/coverage_gate.py): a run that did less than its baseline fails it.
+
+Each way of losing coverage is planted on a synthetic run — a results file cut in half, a ``--budget-s`` stop, cases
+turned unsupported, a tensor dropped, a new unsupported reason — with its negative control (the same run with equal
+coverage passes), through ``compare_tables`` and through ``dsv4-parity compare`` (exit 1, the message says how much
+is missing).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli.main import main
+from reports.baselines import load_baseline, save_baseline
+from reports.coverage_gate import case_reasons, coverage_against, reason_key
+from reports.drift import compare_tables
+from reports.load import load_run
+from reports.markdown import render_markdown
+from reports.render import render_run
+from reports.table import metrics_table
+
+from .conftest import rows_of, write_rows
+
+N = 40
+BRIDGE = ("BridgeRefused: flash_mla_sparse_fwd(indexer_topk={k}): sgl-flash-mla 1.0.0 has no nv_dev API; refusing "
+          "rather than emulating it")
+
+
+@pytest.fixture
+def baseline(tmp_path):
+    """A 40-case synthetic run stored as a baseline (so it records its unsupported reasons)."""
+    run = write_rows(rows_of(n_cases=N, run_id="base"), tmp_path / "base")
+    data = load_run(run)
+    save_baseline(data, metrics_table(data), "cpu/smoke", root=tmp_path / "baselines")
+    return load_baseline("cpu/smoke", root=tmp_path / "baselines")
+
+
+def gate(run_dir, baseline):
+    data = load_run(run_dir)
+    return compare_tables(metrics_table(data), baseline.table, reasons=case_reasons(data.cases),
+                          baseline_reasons=baseline.reasons)
+
+
+def compare(run_dir, tmp_path, capsys) -> tuple[int, str]:
+    code = main(["compare", str(run_dir), "--baseline", "cpu/smoke", "--baselines-dir", str(tmp_path / "baselines")])
+    return code, capsys.readouterr().out
+
+
+def ran_case_ids(rows, n):
+    return [r["case_id"] for r in rows if r["type"] == "case" and r["outcome"] in ("pass", "fail")][:n]
+
+
+def turn_unsupported(rows, ids, message):
+    """The cases ``ids`` declined: their tensor / metric rows gone, outcome unsupported with ``message``."""
+    out = []
+    for row in rows:
+        if row["type"] in ("tensor", "metric") and row["case_id"] in ids:
+            continue
+        if row["type"] == "case" and row["case_id"] in ids:
+            row = {**row, "outcome": "unsupported", "decided_by": "unsupported", "first_failure": None,
+                   "message": message.format(k=128 * (1 + ids.index(row["case_id"])))}
+        out.append(row)
+    return out
+
+
+def test_equal_coverage_passes(baseline, tmp_path, capsys):
+    """Negative control: the same run again compares every case and tensor of the baseline."""
+    same = write_rows(rows_of(n_cases=N, run_id="same"), tmp_path / "same")
+    result = gate(same, baseline)
+    assert result.passed and not result.coverage.lost and result.coverage.problems() == []
+    assert result.coverage.compared == result.coverage.baseline_ran
+    assert result.coverage.tensors == result.coverage.baseline_tensors > 0
+    code, out = compare(same, tmp_path, capsys)
+    assert code == 0 and "drift gate: PASS" in out and "coverage lost" not in out
+    assert f"{result.coverage.baseline_ran} of the baseline's {result.coverage.baseline_ran} run cases compared" in out
+
+
+def test_a_results_file_cut_in_half_fails_and_says_how_much_is_missing(baseline, tmp_path, capsys):
+    run = write_rows(rows_of(n_cases=N, run_id="cut"), tmp_path / "cut")
+    stream = run / "results.jsonl"
+    data = stream.read_bytes()
+    stream.write_bytes(data[: len(data) // 2])  # a torn last line too
+    result = gate(run, baseline)
+    assert not result.passed and result.coverage.lost and result.regressions == []
+    absent = len(result.coverage.absent)
+    assert 0 < absent < result.coverage.baseline_ran
+    code, out = compare(run, tmp_path, capsys)
+    assert code == 1
+    assert f"coverage lost: {absent} of the baseline's {result.coverage.baseline_ran} run cases absent" in out
+    assert "drift gate: FAIL" in out
+
+
+def test_a_budget_stop_fails_the_gate(baseline, tmp_path, capsys):
+    rows = rows_of(n_cases=N, run_id="budget", complete=False)
+    cases = [r for r in rows if r["type"] == "case"]
+    cut = cases[29]["case_id"]  # the run stopped after 30 cases
+    keep = {r["case_id"] for r in cases[:30]}
+    kept = [r for r in rows if r["type"] == "run" or r.get("case_id") in keep]
+    kept.append({"type": "end", "counts": {}, "duration_s": 1.0, "stopped": "budget", "budget_s": 1.0,
+                 "not_run": [r["case_id"] for r in cases[30:]]})
+    run = write_rows(kept, tmp_path / "budget")
+    result = gate(run, baseline)
+    assert not result.passed and set(result.coverage.absent) <= {r["case_id"] for r in cases[30:]}
+    assert cut not in result.coverage.absent and len(result.coverage.absent) > 0
+    code, out = compare(run, tmp_path, capsys)
+    assert code == 1 and f"{len(result.coverage.absent)} of the baseline's" in out
+
+
+def test_cases_turned_unsupported_fail_with_their_reason_counted(baseline, tmp_path, capsys):
+    rows = rows_of(n_cases=N, run_id="refused")
+    ids = ran_case_ids(rows, 6)
+    run = write_rows(turn_unsupported(rows, ids, BRIDGE), tmp_path / "refused")
+    result = gate(run, baseline)
+    assert not result.passed and sorted(result.coverage.now_unsupported["case_id"]) == sorted(ids)
+    key = reason_key(BRIDGE.format(k=128))
+    assert result.coverage.new_reasons == [key]  # six messages (six K values), one reason
+    code, out = compare(run, tmp_path, capsys)
+    assert code == 1
+    assert "coverage lost: 6 case(s) the baseline ran now unsupported: BridgeRefused: " \
+           "flash_mla_sparse_fwd(indexer_topk=N)" in out
+    assert "(baseline 0, NEW)" in out  # the summary line: the reason's count against the baseline's
+
+
+def test_a_missing_tensor_fails_the_gate(baseline, tmp_path, capsys):
+    rows = rows_of(n_cases=N, run_id="thin")
+    victim = next(r for r in rows if r["type"] == "tensor" and r["tensor"] == "grad/hidden")
+    key = (victim["case_id"], victim["tensor"])
+    thin = [r for r in rows if not (r["type"] in ("tensor", "metric") and (r["case_id"], r["tensor"]) == key)]
+    run = write_rows(thin, tmp_path / "thin")
+    result = gate(run, baseline)
+    assert not result.passed
+    assert result.coverage.missing_tensors.values.tolist() == [list(key)]
+    assert result.coverage.tensors == result.coverage.baseline_tensors - 1
+    code, out = compare(run, tmp_path, capsys)
+    assert code == 1 and "1 tensor(s) compared in the baseline missing from 1 case(s) still in the run, e.g." in out
+    assert f"{key[0]}/grad/hidden" in out
+
+
+def test_a_new_reason_on_a_case_unsupported_in_both_fails(baseline, tmp_path):
+    rows = rows_of(n_cases=N, run_id="reason")
+    declined = [r["case_id"] for r in rows if r["type"] == "case" and r["outcome"] == "unsupported"]
+    assert declined  # the synthetic run declines one case
+    same = write_rows(rows, tmp_path / "same")
+    assert gate(same, baseline).passed  # negative control: the same reason
+    changed = [{**r, "message": "ConfigRefused: production's config validation refuses this case"}
+               if r["type"] == "case" and r["case_id"] in declined else r for r in rows]
+    result = gate(write_rows(changed, tmp_path / "changed"), baseline)
+    assert not result.passed and len(result.coverage.now_unsupported) == 0 and result.coverage.absent == []
+    assert result.coverage.new_reasons == ["ConfigRefused: production's config validation refuses this case"]
+    assert "new unsupported reason (1 case(s)): ConfigRefused" in result.coverage.problems()[0]
+
+
+def test_cases_and_tensors_only_the_run_has_are_not_gated(baseline, tmp_path):
+    """Suites grow: a run with more cases (and their reasons) than its baseline keeps passing."""
+    bigger = write_rows(rows_of(n_cases=N + 25, run_id="bigger"), tmp_path / "bigger")
+    result = gate(bigger, baseline)
+    assert result.only_current > 0 and result.passed and not result.coverage.lost
+
+
+def test_a_baseline_without_recorded_reasons_infers_them_from_the_cases_unsupported_in_both(baseline, tmp_path):
+    rows = rows_of(n_cases=N, run_id="legacy")
+    same = load_run(write_rows(rows, tmp_path / "same"))
+    legacy = coverage_against(metrics_table(same), baseline.table, reasons=case_reasons(same.cases),
+                              baseline_reasons=None)
+    assert not legacy.lost and not legacy.reasons_recorded and "retake it to record them" in legacy.line()
+    ids = ran_case_ids(rows, 2)
+    refused = load_run(write_rows(turn_unsupported(rows, ids, BRIDGE), tmp_path / "refused"))
+    lost = coverage_against(metrics_table(refused), baseline.table, reasons=case_reasons(refused.cases),
+                            baseline_reasons=None)
+    assert lost.lost and lost.new_reasons == [reason_key(BRIDGE.format(k=1))]
+
+
+def test_reason_keys_fold_case_specific_integers_only():
+    assert reason_key(BRIDGE.format(k=512)) == reason_key(BRIDGE.format(k=1024))
+    key = reason_key("refuses the dense indexer loss on SM90 (cudnn-frontend 1.32.0), T=4096 rows")
+    assert "SM90" in key and "1.32.0" in key and "T=N rows" in key
+    assert reason_key("a\n  b") == "a b" and reason_key("") == "(no reason given)"
+    assert len(reason_key("x" * 1000)) == 200
+
+
+def test_every_view_says_coverage_was_lost(baseline, tmp_path):
+    rows = rows_of(n_cases=N, run_id="views")
+    ids = ran_case_ids(rows, 3)
+    run = write_rows(turn_unsupported(rows, ids, BRIDGE), tmp_path / "views")
+    rendered = render_run(run, baseline=str(baseline.path), console=None)
+    assert not rendered.drift.passed
+    text = render_markdown(rendered.data, rendered.table, drift=rendered.drift, baseline_name="cpu/smoke")
+    assert "**coverage lost:** 3 case(s) the baseline ran now unsupported: BridgeRefused" in text
+    assert "1 errored, coverage lost: 3 case(s) the baseline ran now unsupported" in text
+    html = rendered.html.read_text()
+    assert 'id="coverage-lost"' in html and "3 case(s) the baseline ran now unsupported" in html
+    # negative control: the same views of an equal-coverage run say nothing of the kind
+    same = render_run(write_rows(rows, tmp_path / "same"), baseline=str(baseline.path), console=None)
+    assert 'id="coverage-lost"' not in same.html.read_text()
+    assert "coverage lost" not in render_markdown(same.data, same.table, drift=same.drift)
+
+
+def test_a_run_that_compared_nothing_the_baseline_ran_fails_instead_of_a_usage_error(baseline, tmp_path, capsys):
+    rows = rows_of(n_cases=N, run_id="none")
+    ids = [r["case_id"] for r in rows if r["type"] == "case"]
+    run = write_rows(turn_unsupported(rows, ids, BRIDGE), tmp_path / "none")
+    code, out = compare(run, tmp_path, capsys)
+    assert code == 1 and "now unsupported" in out
+    # negative control: a run sharing no case with the baseline is still an input error (another suite)
+    other = write_rows(rows_of(n_cases=5, run_id="other", seed=7), tmp_path / "other")
+    assert main(["compare", str(other), "--baseline", "cpu/smoke",
+                 "--baselines-dir", str(tmp_path / "baselines")]) == 2
+
+
+def test_the_baseline_records_its_unsupported_reasons(baseline):
+    env = json.loads((baseline.path / "env.json").read_text())
+    assert env["unsupported_reasons"] == {"no provider for this case on cpu": 1}
+    assert baseline.reasons == env["unsupported_reasons"]
+
+
+def test_a_case_that_now_errors_loses_its_tensors(baseline, tmp_path):
+    """A case the baseline ran that now errors compared nothing: its tensors count as missing, said so."""
+    rows = rows_of(n_cases=N, run_id="errs")
+    victim = ran_case_ids(rows, 1)[0]
+    broken = [r for r in rows if not (r["type"] in ("tensor", "metric") and r["case_id"] == victim)]
+    broken = [{**r, "outcome": "error", "message": "RuntimeError: boom"} if r["type"] == "case"
+              and r["case_id"] == victim else r for r in broken]
+    result = gate(write_rows(broken, tmp_path / "errs"), baseline)
+    assert not result.passed and result.coverage.errored == 1
+    assert "missing from 1 case(s) still in the run (1 of them now error)" in result.coverage.problems()[0]
