@@ -1,4 +1,5 @@
-"""``dsv4-parity report`` and ``dsv4-parity compare``: the command-line half of :mod:`reports`.
+"""``dsv4-parity report`` and ``dsv4-parity compare``: the command-line half of :mod:`reports`. The parser needs
+only :mod:`reports.schema`; the commands import the views (pandas, matplotlib) when they run.
 
 Exit codes: 0 rendered / gate passed; 1 drift gate failed (``compare``); 2 bad input (one-line message on stderr).
 """
@@ -9,22 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
-from parity.runner import DEFAULT_OUT_ROOT
-
-from reports.baselines import BASELINES_ROOT, default_baseline, default_name, load_baseline, save_baseline
-from reports.drift import GateConfig, compare_tables
-from reports.errors import ReportError
-from reports.load import load_run, resolve_results
-from reports.markdown import render_markdown
-from reports.render import gate_for
-from reports.render import render_run as _render
+from parity.names import OUT_ROOT
 from reports.schema import DRIFT_METRICS
-from reports.table import metrics_table
-from reports.terminal import render_drift
 
-OUT_ROOT = DEFAULT_OUT_ROOT
 LATEST = OUT_ROOT / "latest"
 
 
@@ -40,7 +28,7 @@ def _gate_options(parser: argparse.ArgumentParser) -> None:
                             "(default 0.25)")
     group.add_argument("--ratio-floor", type=float, default=None,
                        help="floor for noise_floor_ratio (default 0.25)")
-    parser.add_argument("--baselines-dir", type=Path, default=BASELINES_ROOT, help=argparse.SUPPRESS)
+    parser.add_argument("--baselines-dir", type=Path, default=None, help=argparse.SUPPRESS)  # None: the committed
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -82,26 +70,39 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     compare.set_defaults(func=compare_command)
 
 
-def _console() -> Console:
+def _baselines_dir(args: argparse.Namespace) -> Path:
+    from reports.baselines import BASELINES_ROOT
+
+    return args.baselines_dir if args.baselines_dir is not None else BASELINES_ROOT
+
+
+def _console():
+    from rich.console import Console
+
     console = Console(highlight=False)
     if not console.is_terminal:  # CI logs / pipes: rich's 80-column default folds the tables
         console = Console(highlight=False, width=160)
     return console
 
 
-def _fail(command: str, error: ReportError) -> int:
+def _fail(command: str, error: Exception) -> int:
     print(f"dsv4-parity {command}: error: {error}", file=sys.stderr)
     return 2
 
 
 def report_command(args: argparse.Namespace) -> int:
+    from reports.errors import ReportError
+    from reports.load import resolve_results
+    from reports.markdown import render_markdown
+    from reports.render import render_run as _render
+
     try:
         results = resolve_results(args.run, OUT_ROOT)
         baseline = None if args.baseline in ("none", "") else args.baseline
         terminal = args.format == "terminal" and not args.quiet
         rendered = _render(results, baseline=baseline, console=_console() if terminal else None,
                            html=not args.no_html, csv=not args.no_csv, top=args.top,
-                           baselines_root=args.baselines_dir, gate_overrides=_overrides(args))
+                           baselines_root=_baselines_dir(args), gate_overrides=_overrides(args))
         if args.format == "markdown":
             print(render_markdown(rendered.data, rendered.table, drift=rendered.drift, top=args.top,
                                   baseline_name=rendered.baseline.name if rendered.baseline else None), end="")
@@ -111,27 +112,36 @@ def report_command(args: argparse.Namespace) -> int:
 
 
 def compare_command(args: argparse.Namespace) -> int:
+    from reports.baselines import default_baseline, default_name, load_baseline, save_baseline
+    from reports.drift import GateConfig, compare_tables
+    from reports.errors import ReportError
+    from reports.load import load_run, resolve_results
+    from reports.render import gate_for
+    from reports.render import render_run as _render
+    from reports.table import metrics_table
+    from reports.terminal import render_drift
+
     console = _console()
     try:
         results = resolve_results(args.run, OUT_ROOT)
         data = load_run(results)
         name = args.baseline
         if name == "auto":
-            name = default_baseline(data, args.baselines_dir) or (default_name(data) if args.update else None)
+            name = default_baseline(data, _baselines_dir(args)) or (default_name(data) if args.update else None)
             if not name:
                 raise ReportError("--baseline", "no committed baseline for this run's arch/suite; pass --baseline")
         if args.update:
             gate = GateConfig().updated(**_overrides(args))
-            target = save_baseline(data, metrics_table(data), name, root=args.baselines_dir, gate=gate)
+            target = save_baseline(data, metrics_table(data), name, root=_baselines_dir(args), gate=gate)
             console.print(f"baseline written: {target}")
             return 0
         if args.render:
-            rendered = _render(results, baseline=name, console=None, baselines_root=args.baselines_dir,
+            rendered = _render(results, baseline=name, console=None, baselines_root=_baselines_dir(args),
                                gate_overrides=_overrides(args))
             drift, base = rendered.drift, rendered.baseline
             console.print(f"html: {rendered.html}")
         else:
-            base = load_baseline(name, current=data, root=args.baselines_dir)
+            base = load_baseline(name, current=data, root=_baselines_dir(args))
             drift = compare_tables(metrics_table(data), base.table, gate_for(base, **_overrides(args)))
         if drift.pairs.empty:
             raise ReportError("--baseline", f"{base.name} and run {data.run_id} have no (case, tensor) pair with "
@@ -149,4 +159,6 @@ def compare_command(args: argparse.Namespace) -> int:
 def render_run(run: str | Path, *, quiet: bool = False) -> None:
     """What ``run --make-default`` and ``mutants`` call on their run directory: every view, default baseline, terminal
     summary on stdout unless ``quiet``. Raises :class:`ReportError` on a stream it cannot render."""
+    from reports.render import render_run as _render
+
     _render(run, baseline="auto", console=None if quiet else _console())

@@ -8,7 +8,8 @@ command line that differs from the recorded one is a usage error (a resume that 
 implementation, would label one run's results with another's name); options that do not change results
 (``--workers``, ``--threads``, ``--isolate``, ``--timeout``, ``--budget-s``, ``--junit``, ``--quiet``) may differ.
 
-:func:`given_options` tells which options a command line set explicitly (argparse fills in defaults otherwise).
+Which options a command line set explicitly (argparse fills in defaults otherwise) is ``cli.options.given_options``;
+a directory with no recorded run cannot be resumed (the command line refuses it: :func:`recorded_run` is None).
 """
 
 from __future__ import annotations
@@ -26,33 +27,6 @@ from cases.suites import load_suite
 RECORDED_OPTIONS = {"impl": "impl", "against": "against", "provider": "provider", "device": "device",
                     "require": "require", "policy": "policy_path"}
 SELECTION_OPTIONS = ("suite", "case", "case_id", "limit")
-
-
-def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    """The ``dest`` of every option ``argv`` sets explicitly (parsed once more with every default suppressed)."""
-    saved = []
-
-    def suppress(p: argparse.ArgumentParser) -> None:
-        for action in p._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
-                    suppress(sub)
-            elif action.dest != "help":
-                saved.append((action, action.default))
-                action.default = argparse.SUPPRESS
-        saved.append((p, dict(p._defaults)))
-        p._defaults.clear()
-
-    suppress(parser)
-    try:
-        namespace = parser.parse_args(list(argv))
-    finally:
-        for owner, value in saved:
-            if isinstance(owner, argparse.ArgumentParser):
-                owner._defaults.update(value)
-            else:
-                owner.default = value
-    return set(vars(namespace))
 
 
 def recorded_run(out_dir: Path) -> Optional[dict]:
