@@ -4,7 +4,8 @@ This module: the parser, ``run`` (parity of an implementation against the refere
 ``--oracle``), ``metamorphic`` (every oracle) and ``calibrate`` (refresh the tolerance policy's measured worst
 cases). The other subcommands live beside it: ``cases`` / ``shrink`` (:mod:`cli.cases_command`), ``report`` /
 ``compare`` (:mod:`cli.report_command`), ``mutants`` (:mod:`cli.mutants_command`), ``bench``
-(:mod:`cli.bench_command`), ``compare-runs`` (:mod:`cli.compare_runs_command`).
+(:mod:`cli.bench_command`), ``compare-runs`` (:mod:`cli.compare_runs_command`), ``bisect``
+(:mod:`cli.bisect_command`).
 
 Exit codes: 0 all cases passed or were unsupported, 1 a case failed or errored, 2 a usage error (bad case JSON,
 unknown suite or implementation).
@@ -37,8 +38,8 @@ from parity.runner import Interrupted, RunConfig, new_run_id, resolve_out_dir, r
 from parity.shard import parse_workers
 from parity.usage import check_memory, check_run_options
 
-from cli import (bench_command, cache_command, cases_command, compare_runs_command, mutants_command,
-                 report_command)
+from cli import (bench_command, bisect_command, cache_command, cases_command, compare_runs_command,
+                 mutants_command, report_command)
 from cli.options import (add_implementation_options, add_output_options, add_selection_options, run_options,
                          select_cases, selection_record)
 
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=cmd_calibrate)
 
     for command in (cases_command, report_command, mutants_command, bench_command, compare_runs_command,
-                    cache_command):
+                    cache_command, bisect_command):
         command.add_parsers(sub)
     return parser
 

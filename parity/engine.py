@@ -203,6 +203,10 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
+        own = impl.raised_in_own_code(exc) if stage.startswith(impl.name) else None
+        if own:  # the code under test raised on a valid case: its behaviour (a failure), not a harness error
+            result.first_failure = {"tensor": None, "rule": "raised", "message": one_line(exc)}
+            return finish("fail", "raised", f"{stage}: {impl.name} raised in its own code: {one_line(exc)} [{own}]")
         where = _where(exc)
         return finish("error", "error", f"{stage}: {one_line(exc)}" + (f" [{where}]" if where else ""))
 

@@ -25,7 +25,8 @@ Entry fields::
     match         {feature: value | [values]} over cases.coverage.features(case) plus the derived features
                   ``compressed_rows`` ("none" | "some"), ``padding_rows`` (bool: alignment padding or a dummy tail) and
                   ``kl_support`` ("trivial" | "some": whether some real row sees two compressed keys)
-    expect        {"error": regex} for a crash, or {"tensors": [fnmatch patterns]} for failing tensors
+    expect        {"error": regex} for a crash (an ``error``, or a ``fail`` with rule ``raised``: the code under test
+                  raised in its own code), or {"tensors": [fnmatch patterns]} for failing tensors
     cases         ids of ``smoke`` (else ``nightly``) cases that reproduce the entry on a CPU provider (its test;
                   required when a CPU provider is listed, optional for a GPU-only entry)
 """
@@ -107,7 +108,7 @@ def _covers(entry: dict, tensor: str) -> bool:
 def explains(entry: dict, result) -> bool:
     """Whether ``entry`` accounts for every failure of a failed / errored result."""
     expect = entry["expect"]
-    if result.outcome == "error":
+    if result.outcome == "error" or (result.outcome == "fail" and result.decided_by == "raised"):
         return "error" in expect and re.search(expect["error"], result.message or "") is not None
     if result.outcome != "fail" or "tensors" not in expect:
         return False

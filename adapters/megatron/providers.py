@@ -27,7 +27,7 @@ import torch
 
 from cases.vocabulary import Unsupported
 
-from . import promote, real_kernels, standins
+from . import generations, promote, real_kernels, standins
 from .build import Built, build
 from .loader import Megatron, load
 
@@ -74,11 +74,25 @@ def _prepare(mg: Megatron) -> None:
 def available_providers() -> dict:
     """``{provider: None if usable here, else why not}``."""
     try:
-        megatron()
+        mg = megatron()
         base = None
     except ValueError as exc:
-        base = str(exc)
-    return {"unfused": base, "emulated": base, "cudnn": base or real_kernels.unavailable_reason()}
+        mg, base = None, str(exc)
+    return {"unfused": base, "emulated": base or emulated_reason(mg),
+            "cudnn": base or real_kernels.unavailable_reason()}
+
+
+def emulated_reason(mg: Megatron) -> Optional[str]:
+    """Why the emulated provider cannot drive ``mg``'s fused path, or None: production calls a ``cudnn.DSA`` wrapper
+    the stand-in has no contract-exact torch kernel for (``generations.wrapper_calls``)."""
+    from . import kernel_calls  # noqa: PLC0415
+
+    calls = generations.wrapper_calls(mg.fused())
+    unknown = [name for name in calls if name not in kernel_calls.WRAPPERS]
+    if unknown:
+        return (f"production's fused path at {mg.source.revision} calls cudnn.DSA.{', cudnn.DSA.'.join(unknown)}, "
+                f"which the emulated stand-in does not provide (adapters/megatron/kernel_calls.py: WRAPPERS)")
+    return None
 
 
 @dataclass
@@ -104,6 +118,7 @@ def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(promote.mode())
             stack.enter_context(promote.float64_case(False))  # the block's mark, set by run_context's case
+            stack.enter_context(standins.no_stream_capture(not torch.cuda.is_available()))  # forward and backward
             # production's modules are imported (and its tree put on sys.path) before a provider patches them: a
             # fresh worker process enters this block before its first case builds the layer
             mg = megatron()
@@ -147,14 +162,17 @@ def describe(provider: Optional[str] = None) -> dict:
     used.append("process-group (1-rank gloo)")
     if not torch.cuda.is_available():
         used.append("cpu-device (torch.cuda.current_device)")
+        used.append("no-stream-capture (torch.cuda.is_current_stream_capturing -> False)")
     if name == "emulated":
-        from .emulated import STANDINS  # noqa: PLC0415
+        from .emulated import standins as emulated_standins  # noqa: PLC0415
 
-        used += [f"emulated: {note}" for note in STANDINS]
+        used += [f"emulated: {note}" for note in emulated_standins(mg)]
     if name == "cudnn":
         used += [f"cudnn: {note}" for note in real_kernels.STANDINS]
     return {"revision": mg.source.revision, "megatron_root": str(mg.source.root),
-            "megatron_origin": mg.source.origin, "provider": name, "standins": used, "te": mg.has_te,
+            "megatron_origin": mg.source.origin, **({"upstream_revision": mg.source.upstream}
+                                                    if mg.source.upstream else {}),
+            "api_generation": mg.generation.name, "provider": name, "standins": used, "te": mg.has_te,
             **({"kernels": real_kernels.versions()} if name == "cudnn" else {})}
 
 

@@ -46,6 +46,7 @@ class MegatronSource:
     root: Path
     revision: str
     origin: str
+    upstream: Optional[str] = None  # the commit's ``Upstream-Commit:`` trailer (history bundle), when it has one
 
 
 def _snapshot_dirs() -> list[Path]:
@@ -109,6 +110,24 @@ def git_revision(root: Path) -> Optional[str]:
     return text if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", text) else None
 
 
+def upstream_revision(root: Path) -> Optional[str]:
+    """The ``Upstream-Commit: <sha>`` trailer of ``root``'s HEAD commit (the history bundle's commits carry one), or
+    None."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%(trailers:key=Upstream-Commit,valueonly)"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"\b[0-9a-f]{40}\b", out.stdout) if out.returncode == 0 else None
+    return found.group(0) if found else None
+
+
+def _checkout_source(root: Path, origin: str) -> MegatronSource:
+    revision = git_revision(root)
+    return MegatronSource(root, revision or f"checkout {root} (not a git work tree)", origin,
+                          upstream_revision(root) if revision else None)
+
+
 def check_checkout(root: Path, origin: str) -> Path:
     """``root`` (or its ``Megatron-LM`` parent layout) as a tree holding the DSv4 files; else a clear error."""
     root = root.expanduser()
@@ -131,12 +150,10 @@ def check_checkout(root: Path, origin: str) -> Path:
 def locate(path: Optional[str] = None) -> MegatronSource:
     """The Megatron-LM tree to test (see the module docstring for the order)."""
     if path:
-        root = check_checkout(Path(path), "--megatron")
-        return MegatronSource(root, git_revision(root) or f"checkout {root} (not a git work tree)", "--megatron")
+        return _checkout_source(check_checkout(Path(path), "--megatron"), "--megatron")
     env = os.environ.get(ENV_PATH)
     if env:
-        root = check_checkout(Path(env), ENV_PATH)
-        return MegatronSource(root, git_revision(root) or f"checkout {root} (not a git work tree)", ENV_PATH)
+        return _checkout_source(check_checkout(Path(env), ENV_PATH), ENV_PATH)
     archive = find_snapshot()
     if archive is None:
         looked = ", ".join(str(d / SNAPSHOT_GLOB) for d in _snapshot_dirs())
