@@ -34,6 +34,10 @@ class Built:
 
 _CACHE: dict[tuple, Built] = {}
 
+#: the process groups of a context-parallel rank process (:mod:`adapters.megatron.cp_rank` sets it once at start,
+#: an object with ``tp``, ``cp`` groups and ``config_fields()``); None: the 1-rank group of a normal process
+PARALLEL = None
+
 
 class ConfigRefused(Unsupported):
     """Production's own config validation declines the case (e.g. the r = 4 dense indexer loss on sm90 with the
@@ -61,6 +65,10 @@ def transformer_config(mg: Megatron, config: ModelConfig, dtype: torch.dtype, ba
         add_bias_linear=False, apply_rope_fusion=False, dsa_kernel_backend=backend, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
     )
+    if PARALLEL is not None:  # a CP rank: production's CP config fields (and the stand-in its TE check needs)
+        kwargs.update(PARALLEL.config_fields())
+        with PARALLEL.config_context(mg):
+            return cls(**kwargs)
     return cls(**kwargs)
 
 
@@ -79,8 +87,11 @@ def _backend(mg: Megatron):
 
 def pg_collection(mg: Megatron):
     cls = mg.modules["megatron.core.process_groups_config"].ProcessGroupCollection
-    group = standins.one_rank_group()
     pgs = cls()
+    if PARALLEL is not None:
+        pgs.tp, pgs.cp = PARALLEL.tp, PARALLEL.cp
+        return pgs
+    group = standins.one_rank_group()
     pgs.tp = group
     pgs.cp = group
     return pgs
