@@ -144,7 +144,10 @@ def describe(provider: Optional[str] = None) -> dict:
     used = list(mg.standins)
     if not mg.has_te:
         used.append("plain-linear (no TransformerEngine)")
-    used.append("process-group (1-rank gloo)")
+    from . import cp  # noqa: PLC0415 — cp imports this module
+
+    used.append("process-group (1-rank gloo)" if cp.size() == 1 else
+                f"process-group ({cp.size()}-rank gloo CP group over a FileStore, 1-rank tp)")
     if not torch.cuda.is_available():
         used.append("cpu-device (torch.cuda.current_device)")
     if name == "emulated":
@@ -153,9 +156,13 @@ def describe(provider: Optional[str] = None) -> dict:
         used += [f"emulated: {note}" for note in STANDINS]
     if name == "cudnn":
         used += [f"cudnn: {note}" for note in real_kernels.STANDINS]
+    parallel = {}
+    if cp.size() > 1:  # production's THD CP branch over N rank processes, and its stand-ins
+        parallel = {"cp": cp.describe(cp.size())}
+        used += [f"cp: {note}" for note in parallel["cp"]["standins"]]
     return {"revision": mg.source.revision, "megatron_root": str(mg.source.root),
             "megatron_origin": mg.source.origin, "provider": name, "standins": used, "te": mg.has_te,
-            **({"kernels": real_kernels.versions()} if name == "cudnn" else {})}
+            **({"kernels": real_kernels.versions()} if name == "cudnn" else {}), **parallel}
 
 
 def provider_name(provider: str) -> str:
