@@ -62,7 +62,7 @@ def transformer_config(mg: Megatron, config: ModelConfig, dtype: torch.dtype, ba
         csa_compress_rotary_base=c.csa_compress_rotary_base, rotary_scaling_factor=c.rotary_scaling_factor,
         original_max_position_embeddings=c.original_max_position_embeddings, beta_fast=c.beta_fast,
         beta_slow=c.beta_slow, layernorm_epsilon=c.layernorm_epsilon, normalization="RMSNorm", qk_layernorm=True,
-        add_bias_linear=False, apply_rope_fusion=False, dsa_kernel_backend=backend, params_dtype=dtype,
+        add_bias_linear=False, apply_rope_fusion=c.apply_rope_fusion, dsa_kernel_backend=backend, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
     )
     if PARALLEL is not None:  # a CP rank: production's CP config fields (and the stand-in its TE check needs)
@@ -104,6 +104,9 @@ def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, d
     key = (config, dtype, backend, device, promoted)
     if key in _CACHE:
         return _CACHE[key]
+    if config.apply_rope_fusion and (device != "cuda" or not standins.has_module("triton")):
+        raise Unsupported("apply_rope_fusion: production's fused MLA RoPE is a Triton kernel "
+                          "(megatron/core/fusions/fused_mla_yarn_rope_apply.py): it needs CUDA and triton")
     used = []
     specs = mg.modules["megatron.core.models.gpt.experimental_attention_variant_module_specs"]
     spec_utils = __import__("megatron.core.transformer.spec_utils", fromlist=["build_module"])
