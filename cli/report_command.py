@@ -193,7 +193,11 @@ def _compare_one(results: Path, name: str, args: argparse.Namespace, console: Co
             base = load_baseline(name, current=data, root=args.baselines_dir)
             drift = drift_of(data, metrics_table(data), base, **_overrides(args))
         shared = set(data.cases["case_id"]) & set(base.table["case_id"])
-        if drift.pairs.empty and not shared and len(data.cases):
+        metric = drift.config.metric
+        baseline_has_values = metric in base.table and bool(base.table[metric].notna().any())
+        # no case in common, or a baseline with no value of the metric at all: the baseline cannot judge this run
+        # (a usage error); shared cases whose pairs all vanished from the run are lost coverage (the gate fails)
+        if drift.pairs.empty and (not shared or not baseline_has_values) and len(data.cases):
             raise ReportError("--baseline", f"{base.name} and run {data.run_id} have no (case, tensor) pair with "
                                             f"{drift.config.metric} on both sides ({drift.only_current} only in the "
                                             f"run, {drift.only_baseline} only in the baseline: another suite, case "

@@ -24,7 +24,12 @@ CASE = "8cd3769bc4c5"  # smoke: r = 0, BSHD, 2 tokens, float64, layer scope; pas
 def megatron_source() -> str | None:
     from adapters.megatron import source
 
-    return os.environ.get(source.ENV_PATH) or (str(source.find_snapshot()) if source.find_snapshot() else None)
+    """A Megatron-LM tree (a directory, as ``DSV4_MEGATRON`` must name): the variable's, else the pinned snapshot
+    extracted into the cache; None when neither exists."""
+    if os.environ.get(source.ENV_PATH):
+        return os.environ[source.ENV_PATH]
+    archive = source.find_snapshot()
+    return str(source.extract(archive)) if archive else None
 
 
 needs_megatron = pytest.mark.skipif(megatron_source() is None, reason="no Megatron-LM: the pinned snapshot "
