@@ -26,6 +26,8 @@ Sections (``--sections``, all by default):
   becomes a finding that names it (module, function, file:line).
 * ``gate`` (only when named) — the whole gate suite as ``dsv4-parity run`` subprocesses, cold (empty compiled-kernel
   cache) then warm (the same cache): wall time, phases, compiles and loads per kernel (:mod:`bench.gate`).
+* ``startup`` — ``dsv4-parity --help``, ``run --help`` and two mistyped commands, each a fresh process, against
+  ``python -c pass`` as a ratio (``import torch`` beside them for scale; :mod:`bench.startup`).
 * ``harness`` — a parity run of ``--harness-suite`` (in-process; the time split by the engine's own per-case
   ``phases_s``, :mod:`bench.harness`): cases per minute, and the share of the time spent outside the two
   implementations' runs.
@@ -80,12 +82,12 @@ from bench.measure import (Budget, KernelRecorder, MemoryMeter, Timing, free_mem
 from bench.output import SCHEMA, jsonable, ms_part
 from bench.scaling import findings_from_fits, fit_series, function_series
 from bench.side_by_side import side_by_side
+from bench.startup import startup
 from bench.targets import TARGETS
+from bench.vocabulary import OPT_IN_SECTIONS, SECTIONS
 from bench.workloads import (StageCall, Workload, clear_caches, forward_backward,
                               fused_compressor_stage, make_tensors, reference_stages, tensor_bytes)
 
-SECTIONS = ("e2e", "stages", "breakdown", "scaling", "harness")
-OPT_IN_SECTIONS = ("gate",)  # only when named: the whole gate suite, cold and warm (bench/gate.py)
 #: Share of the remaining budget each section may use when it starts (the last one takes what is left).
 SECTION_SHARE = {"e2e": 0.45, "stages": 0.35, "breakdown": 0.3, "scaling": 0.45, "harness": 1.0}
 
@@ -160,6 +162,7 @@ class Settings:
     harness_report: bool = True
     peak_tflops: Optional[float] = None
     threads: Optional[int] = None
+    startup_repeats: int = 5  # fresh processes per command in the startup section
     quiet: bool = False
     gate: Optional[dict] = None  # gate section options (suite, provider, workers, limit, runs, cache_dir, dir)
 
@@ -222,7 +225,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         peak_tflops=args.peak_tflops if args.peak_tflops is not None else (
             H200_BF16_PEAK_TFLOPS if device == "cuda" else None),
         threads=args.threads if args.threads is not None else (1 if device == "cpu" else None),
-        quiet=args.quiet)
+        startup_repeats=max(1, getattr(args, "startup_repeats", None) or 5), quiet=args.quiet)
 
 
 # ---- the report object ------------------------------------------------------------------------------------------------
@@ -273,6 +276,8 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
       retained_bytes}]``) and ``fits`` (``series metric slope points verdict``);
     * ``harness``: ``suite cases total_s cases_per_min phases{name: s} implementation_s overhead_s overhead_share
       suite_cases suite_estimate_s counts``;
+    * ``startup``: ``repeats rows[{command argv runs median_s min_s ratio exit_code torch_loaded}]``, ``ratio`` = the
+      command's median wall time / ``python -c pass``'s (:mod:`bench.startup`);
     * ``targets``: ``name target measured unit status note``; ``findings``: ``kind function where message``;
       ``skipped``: ``what why``.
     """
@@ -282,7 +287,7 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
             "argv": list(argv), "settings": settings.to_dict(), "env": environment(settings.device),
             "machine": machine(), "peak_tflops": settings.peak_tflops, "impls": {}, "e2e": [], "side_by_side": [],
             "stages": [], "breakdown": [],
-            "scaling": {"series": [], "fits": []}, "harness": None, "targets": [], "findings": [], "skipped": [],
+            "scaling": {"series": [], "fits": []}, "harness": None, "startup": None, "targets": [], "findings": [], "skipped": [],
             "duration_s": None}
 
 
@@ -845,6 +850,9 @@ def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], 
     if "scaling" in settings.sections:
         bench.run_scaling()
         done("scaling")
+    if "startup" in settings.sections:  # a few short child processes, not bound by the budget
+        report["startup"] = startup(settings.startup_repeats, log=log)
+        done("startup")
     if "harness" in settings.sections:
         bench.run_harness()
         done("harness")

@@ -80,6 +80,14 @@ def check_schema(report: Any) -> list[str]:
             need(h, {"cases": int, "suite_cases": int, "total_s": (int, float), "cases_per_min": (int, float),
                      "phases": dict, "overhead_share": (int, float), "suite_estimate_s": (int, float),
                      "counts": dict}, "harness")
+    st = report.get("startup")  # absent from reports older than the section
+    if st is not None:
+        need(st, {"status": str, "rows": list}, "startup")
+        for i, row in enumerate(st.get("rows", []) if isinstance(st, dict) else []):
+            need(row, {"command": str, "median_s": (int, float), "ratio": (int, float, type(None))},
+                 f"startup.rows[{i}]")
+            if isinstance(row, dict) and not isinstance(row.get("torch_loaded"), bool):
+                problems.append(f"startup.rows[{i}].torch_loaded: not a bool")
     for i, t in enumerate(report["targets"]):
         need(t, {"name": str, "target": str, "status": str, "note": str}, f"targets[{i}]")
         if isinstance(t, dict) and t.get("status") not in _TARGET_STATUSES:
@@ -204,6 +212,15 @@ def render_tables(report: dict, console=None) -> None:
         console.print(t)
     elif h:
         console.print(f"harness: {h.get('status')} {h.get('message')}")
+    st = report.get("startup")
+    if st and st.get("rows"):
+        t = Table(title=f"Start-up: each command a fresh process, median of {st['repeats']}, against python -c pass")
+        for col in ("command", "ms", "ratio", "exit", "torch loaded"):
+            t.add_column(col, justify="left" if col == "command" else "right")
+        for r in st["rows"]:
+            t.add_row(r["command"], _ms(1000 * r["median_s"]), "—" if r["ratio"] is None else f"{r['ratio']:.2f}",
+                      str(r["exit_code"]), "yes" if r["torch_loaded"] else "no")
+        console.print(t)
     if report["targets"]:
         t = Table(title="Targets (reported, never asserted)")
         for col in ("target", "goal", "measured", "status", "note"):

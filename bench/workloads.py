@@ -32,9 +32,8 @@ from cases.tensors import (FP32_PARAMETERS, CaseTensors, initial_value, input_sh
                            parameter_shapes)
 
 from bench.flops import KeyCounts, key_counts, total_flops
+from bench.vocabulary import LAYOUTS, LOSSES
 
-LOSSES = ("sparse", "dense", "none")
-LAYOUTS = ("seq", "pack")
 
 
 @dataclass(frozen=True)

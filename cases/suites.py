@@ -36,6 +36,7 @@ from .packing import Segment, build_layout, capacity_for
 from .layout import BshdLayout
 from .profiles import PROFILES, get_profile
 from .rng import Rng
+from .vocabulary import STORED_SUITES, SUITE_SUBSETS, check_suite
 
 #: Bump when the generator's output for an unchanged recipe changes (the stored files are regenerated then).
 GENERATOR_VERSION = 1
@@ -212,6 +213,10 @@ SUBSETS: dict[str, tuple[str, str, Callable[[Sequence[Case]], list[Case]]]] = {
 }
 
 
+if tuple(SUITES) != STORED_SUITES or tuple(SUBSETS) != SUITE_SUBSETS:  # the names the CLI checks before torch
+    raise RuntimeError("cases.vocabulary's suite names differ from cases.suites.SUITES / SUBSETS")
+
+
 def suite_names() -> list[str]:
     """The stored suites (not their :data:`SUBSETS`)."""
     return list(SUITES)
@@ -219,8 +224,14 @@ def suite_names() -> list[str]:
 
 def _spec(name: str) -> SuiteSpec:
     if name not in SUITES:
-        raise CaseError("suite", f"unknown suite {name!r} (known: {', '.join(SUITES)})")
+        check_suite(name)  # an unknown name: the message lists every suite, subsets included
+        raise CaseError("suite", f"{name!r} is a subset of suite {SUBSETS[name][0]!r}, not a stored suite")
     return SUITES[name]
+
+
+def required_cells(name: str) -> list[Cell]:
+    """The coverage cells suite ``name`` declares; a subset (:data:`SUBSETS`) declares none of its own."""
+    return [] if name in SUBSETS else _spec(name).required_cells
 
 
 def build_suite(name: str) -> list[Case]:

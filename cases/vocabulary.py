@@ -1,9 +1,13 @@
-"""The vocabulary every layer shares: the outcomes of a case, the tensor classes, the "unsupported" exception.
+"""The vocabulary every layer shares: the outcomes of a case, the tensor classes, the suite names, the "unsupported"
+exception.
 
-Defined here once (``cases/`` is the ground floor: the implementations, the engine and the reports all import it).
+Defined here once (``cases/`` is the ground floor: the implementations, the engine and the reports all import it);
+standard library only, so the command line checks its arguments with it before it loads torch.
 """
 
 from __future__ import annotations
+
+from .errors import CaseError
 
 #: A case's outcome (``results.jsonl`` field ``outcome``): ``pass`` / ``fail`` (numeric or structural) / ``error``
 #: (an exception, a crashed worker) / ``unsupported`` (the implementation declined the case, or it needs a GPU) /
@@ -19,6 +23,20 @@ TENSOR_CLASSES = ("out", "lse", "index_scores", "topk", "loss", "grad_input", "g
 #: The classes judged by numeric tolerances (``parity/policy.json`` has an entry for each); ``contract`` tensors are
 #: judged exactly (``contract/padding_dout``: every gradient 0).
 TOLERANCED_CLASSES = TENSOR_CLASSES[:-1]
+
+
+#: The stored case suites (``cases/suites/<name>.json``, :data:`cases.suites.SUITES`) and the subsets selected from
+#: one of them (:data:`cases.suites.SUBSETS`), by name: what ``--suite`` accepts.
+STORED_SUITES = ("smoke", "gate", "nightly", "production")
+SUITE_SUBSETS = ("gate-cpu",)
+SUITE_NAMES = STORED_SUITES + SUITE_SUBSETS
+
+
+def check_suite(name: str) -> str:
+    """``name`` if it names a suite (stored or subset); else :class:`cases.errors.CaseError` on ``suite``."""
+    if name not in SUITE_NAMES:
+        raise CaseError("suite", f"unknown suite {name!r} (known: {', '.join(SUITE_NAMES)})")
+    return name
 
 
 class Unsupported(Exception):

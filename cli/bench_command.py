@@ -1,4 +1,5 @@
-"""``dsv4-parity bench``: the command-line half of :mod:`bench.core` (speed and memory, reported, never asserted)."""
+"""``dsv4-parity bench``: the command-line half of :mod:`bench.core` (speed and memory, reported, never asserted).
+The parser needs only :mod:`bench.vocabulary`; :func:`cmd_bench` imports the bench (and torch) when it runs."""
 
 from __future__ import annotations
 
@@ -8,20 +9,28 @@ import json
 import sys
 from pathlib import Path
 
-import bench.core as bench_core
-from bench.core import OPT_IN_SECTIONS, SECTIONS, resolve_settings, run_bench
-from bench.output import render_tables, write_plot
-from bench.side_by_side import markdown
-from bench.workloads import LAYOUTS, LOSSES
+from bench.vocabulary import LAYOUTS, LOSSES, OPT_IN_SECTIONS, SECTIONS
 from cli.options import PROVIDERS, add_megatron_argument
-from parity.runner import DEFAULT_OUT_ROOT
+from parity.names import OUT_ROOT
+
+DESCRIPTION = """\
+Performance of the fused path (or any --impl, e.g. production), the reference and the harness: reported, never
+asserted.
+
+Sections: e2e, stages, breakdown, scaling, harness, startup, gate (see the module docstring of bench/core.py for
+what each measures)."""
+
 
 def default_json_path() -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return DEFAULT_OUT_ROOT / "bench" / f"bench-{stamp}.json"
+    return OUT_ROOT / "bench" / f"bench-{stamp}.json"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.core import resolve_settings, run_bench
+    from bench.output import render_tables, write_plot
+    from bench.side_by_side import markdown
+
     settings = resolve_settings(args)  # a bad option: CaseError, one line and exit 2 (cli.main)
 
     def log(msg: str) -> None:
@@ -84,8 +93,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     """Register ``bench`` on the ``dsv4-parity`` subparsers."""
     p = subparsers.add_parser(
         "bench", help="benchmark the fused path (or --impl), the reference and the harness (reported, never asserted)",
-        description=bench_core.__doc__.split("\n\n")[0] + "\n\n" + "Sections: e2e, stages, breakdown, scaling, harness, gate "
-        "(see the module docstring of bench/core.py for what each measures).", epilog=BENCH_EPILOG,
+        description=DESCRIPTION, epilog=BENCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", help="profiles, comma-separated (CPU default tiny; CUDA kernel,flash,pro)")
     p.add_argument("--tokens", help="token counts T, comma-separated, 4K suffixes allowed (CPU default "
@@ -125,6 +133,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     p.add_argument("--threads", type=int,
                    help="torch intra-op threads (CPU default 1: on a shared machine two threads make the timings "
                         "bimodal; CUDA default: unchanged)")
+    p.add_argument("--startup-repeats", type=int, default=5,
+                   help="fresh processes per command in the startup section (default 5; the median is reported)")
     p.add_argument("--gate-suite", default="gate", help="suite of the gate section (default gate)")
     p.add_argument("--gate-provider", default="cudnn", help="--provider of the gate runs (default cudnn)")
     p.add_argument("--gate-workers", default="auto", help="--workers of the gate runs (default auto)")

@@ -16,22 +16,18 @@ import json
 import sys
 from typing import Callable
 
-from cases.case import Case
-from cases.coverage import cell_name, coverage_counts, format_table, marginals
 from cases.errors import CaseError
-from cases.layout import ThdLayout
-from cases.shrink import shrink
-from cases.suites import SUITES, find_case, id_repro, load_suite, suite_names
-from parity.engine import run_case
-from parity.impls import load
+from cases.vocabulary import SUITE_NAMES
 
 from cli.options import add_implementation_options, run_options
 
+# The cases, the shrinker and the engine load torch: each command imports them when it runs (cli.main).
 
-def describe(case: Case) -> str:
+
+def describe(case) -> str:
     """One line: id, profile, kind, layout, loss, dtype, scope, tags."""
     c, layout = case.config, case.layout
-    if isinstance(layout, ThdLayout):
+    if case.is_thd:
         shape = (f"thd real={list(layout.real_lengths)} padded={list(layout.padded_lengths)} "
                  f"T={layout.total_tokens} cap={layout.compressed_capacity}")
     else:
@@ -44,12 +40,15 @@ def describe(case: Case) -> str:
 
 
 def cmd_cases(args: argparse.Namespace) -> int:
+    from cases.coverage import cell_name, coverage_counts, format_table, marginals
+    from cases.suites import id_repro, load_suite, required_cells
+
     try:
         cases = load_suite(args.suite)
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cells = SUITES[args.suite].required_cells
+    cells = required_cells(args.suite)  # a subset (gate-cpu) declares none
     if args.coverage:
         counts = coverage_counts(cases, cells)
         if args.json:
@@ -70,8 +69,11 @@ def cmd_cases(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_case(args: argparse.Namespace) -> Case:
+def resolve_case(args: argparse.Namespace):
     """The case named by ``--case JSON`` or ``--case-id ID --suite NAME``."""
+    from cases.case import Case
+    from cases.suites import find_case
+
     if getattr(args, "case", None):
         return Case.from_json(args.case)
     if not getattr(args, "suite", None):
@@ -85,26 +87,34 @@ def cmd_shrink(args: argparse.Namespace) -> int:
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    predicate = shrink_predicate(args, case)
+    from cases.shrink import shrink
+
     try:
+        predicate = shrink_predicate(args, case)
         small = shrink(case, predicate, max_calls=args.max_calls, log=lambda line: print(line, file=sys.stderr))
-    except CaseError as exc:
+    except CaseError as exc:  # e.g. the case does not fail: nothing to shrink (a usage error)
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     print(run_options(args).repro(small))  # with --impl / --against / --provider: it reproduces as printed
     return 0
 
 
-def shrink_predicate(args: argparse.Namespace, case: Case) -> Callable[[Case], bool]:
+def shrink_predicate(args: argparse.Namespace, case) -> Callable[[object], bool]:
     """``case -> still fails``: the same outcome and deciding rule as the original ``case``."""
+    from parity.engine import run_case
+    from parity.impls import load
+
     options = run_options(args)
     impl, against = load(options.impl), load(options.against)
     first = run_case(case, impl, against, options)
     signature = (first.outcome, first.decided_by)
     print(f"shrink: original case {first.case_id}: {first.outcome} ({first.decided_by}) {first.message}",
           file=sys.stderr)
+    if first.outcome not in ("fail", "error"):
+        raise CaseError("case", f"{first.case_id} does not fail ({first.outcome}) for --impl {options.impl} against "
+                                f"{options.against}: nothing to shrink (shrink reduces a failing case)")
 
-    def still_fails(candidate: Case) -> bool:
+    def still_fails(candidate) -> bool:
         if signature[0] not in ("fail", "error"):
             return False
         result = run_case(candidate, impl, against, options)
@@ -115,7 +125,7 @@ def shrink_predicate(args: argparse.Namespace, case: Case) -> Callable[[Case], b
 
 def add_parsers(subparsers) -> dict:
     """Register ``cases`` and ``shrink`` on an ``argparse`` subparsers object; returns {name: parser}."""
-    names = ", ".join(suite_names())
+    names = ", ".join(SUITE_NAMES)
     cases = subparsers.add_parser("cases", help="list a suite's cases or its coverage table",
                                   description="List the cases of a suite (or its coverage table).")
     cases.add_argument("--suite", default="smoke", help=f"suite name ({names})")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parity.compare_runs import RunsError, compare, load, report
 
 def command(args: argparse.Namespace) -> int:
+    from parity.compare_runs import RunsError, compare, load, report
+
     if args.verdicts and args.rel_tol:
         print("dsv4-parity compare-runs: error: --verdicts compares no metric value, so --rel-tol would be ignored: "
               "give one of them", file=sys.stderr)

@@ -1,11 +1,13 @@
 """``dsv4-parity``: the command line (``python -m cli`` works too).
 
-This module: the parser, ``run`` (parity of an implementation against the reference, or a metamorphic oracle with
-``--oracle``), ``metamorphic`` (every oracle) and ``calibrate`` (refresh the tolerance policy's measured worst
-cases). The other subcommands live beside it: ``cases`` / ``shrink`` (:mod:`cli.cases_command`), ``report`` /
-``compare`` (:mod:`cli.report_command`), ``gate`` (every production path in one gate, :mod:`cli.gate_command`),
-``mutants`` (:mod:`cli.mutants_command`), ``bench``
-(:mod:`cli.bench_command`), ``compare-runs`` (:mod:`cli.compare_runs_command`).
+This module builds the parser and dispatches; it loads torch only for a command that needs it, after the arguments
+parsed and the checks that need no cases passed (``--help``, a typo, ``metamorphic --list`` and ``cache`` never
+load it; ``bench --sections startup`` measures what that saves). ``run``, ``metamorphic`` and ``calibrate`` do
+their work in :mod:`cli.run_command`; the other subcommands live beside it: ``cases`` / ``shrink``
+(:mod:`cli.cases_command`), ``report`` / ``compare`` (:mod:`cli.report_command`), ``gate`` (every
+production path in one gate, :mod:`cli.gate_command`), ``mutants`` (:mod:`cli.mutants_command`), ``bench`` (:mod:`cli.bench_command`), ``compare-runs``
+(:mod:`cli.compare_runs_command`), ``cache`` (:mod:`cli.cache_command`); each of those imports what its work needs
+when it runs.
 
 Exit codes: 0 all cases passed or were unsupported, 1 a case failed or errored, 2 a usage error (bad case JSON,
 unknown suite or implementation).
@@ -14,34 +16,20 @@ unknown suite or implementation).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
-
-try:  # every command needs torch: say so in one line instead of a traceback from deep in an import
-    import torch  # noqa: F401
-except ModuleNotFoundError:
-    print(f"error: {sys.executable} cannot import torch; install it into that interpreter (pip install torch, or "
-          "`pip install -e .[gpu]` on a GPU runner), or run `make parity` without PYTHON= to bootstrap .venv",
-          file=sys.stderr)
-    raise SystemExit(2) from None
+from typing import Callable, Optional, Sequence
 
 from cases.errors import CaseError
-from parity import resume as resume_mod
-from parity.calibrate import calibrate
-from parity.engine import configure_torch
-from parity.impls import load
-from parity.metamorphic import ORACLES, applicable
-from parity.results import summary_line
-from parity.runner import Interrupted, RunConfig, new_run_id, resolve_out_dir, run
-from parity.shard import parse_workers
-from parity.usage import check_memory, check_run_options
+from parity.names import ORACLE_SUMMARIES
+from parity.usage import check_run_options
 
 from cli import (bench_command, cache_command, cases_command, compare_runs_command, gate_command, mutants_command,
                  report_command)
-from cli.options import (add_implementation_options, add_output_options, add_selection_options, run_options,
-                         select_cases, selection_record)
+from cli.options import (add_implementation_options, add_output_options, add_selection_options,
+                         check_selection_options, given_options)
 
 DESCRIPTION = """\
 Numerical parity harness for DeepSeek-V4 hybrid attention (CSA / HCA / sliding window + sink, lightning indexer,
@@ -67,150 +55,55 @@ implementation declined the case, or it needs a GPU). The exit code is 1 iff a c
 """
 
 
-def _check_impls(args: argparse.Namespace, oracle: Optional[str]) -> None:
-    """Usage errors before any case runs: unknown implementations, providers that cannot run here."""
-    impl = load(args.impl)
-    impl.check_ready()
-    impl.check_provider(args.provider)
-    if getattr(args, "require", None):
-        impl.check_provider(args.require)
-    if not oracle:
-        load(args.against)
 
 
-# ---- run -------------------------------------------------------------------------------------------------------------
-def _say(text: str) -> None:
-    """Print to stdout; a closed pipe (``... | head``) must not turn a finished run's exit code into a crash."""
+# ---- dispatch --------------------------------------------------------------------------------------------------------
+def _later(name: str) -> Callable[[argparse.Namespace], int]:
+    """``cli.run_command.<name>``, imported when the command runs (it loads torch)."""
+    def call(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module("cli.run_command"), name)(args)
+
+    call.__name__ = name
+    return call
+
+
+def load_torch() -> None:
+    """Import torch for a command that needs it: one line and exit 2 where the interpreter has none; then the
+    engine's settings (:func:`parity.engine.configure_torch`)."""
     try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        import torch  # noqa: F401
+    except ModuleNotFoundError:
+        print(f"error: {sys.executable} cannot import torch; install it into that interpreter (pip install torch, or "
+              "`pip install -e .[gpu]` on a GPU runner), or run `make parity` without PYTHON= to bootstrap .venv",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    from parity.engine import configure_torch
+
+    configure_torch()
 
 
-def _report_hint(out_dir: Path, link: Optional[Path]) -> str:
-    shown = link if link is not None else out_dir
-    return f"results: {out_dir / 'results.jsonl'}\nreport:  dsv4-parity report {shown}"
+def check_oracles(names: Sequence[str]) -> None:
+    unknown = [n for n in names if n not in ORACLE_SUMMARIES]
+    if unknown:
+        raise CaseError("oracle", f"unknown oracle {unknown[0]!r} (known: {', '.join(ORACLE_SUMMARIES)})")
 
 
-def _render_report(out_dir: Path) -> None:
-    """Render the run's report (best effort: the run's verdict does not depend on it)."""
-    try:
-        report_command.render_run(out_dir)
-    except Exception as exc:  # noqa: BLE001
-        print(f"note: report rendering failed: {exc}", file=sys.stderr)
-
-
-def _applicable(cases: list, oracle: Optional[str]) -> list:
-    return [c for c in cases if applicable(oracle, c)] if oracle else cases
-
-
-def _recorded(args: argparse.Namespace, out_override: Optional[Path],
-              link_override: Optional[Path]) -> tuple[Optional[dict], Optional[Path], Optional[Path]]:
-    """``(recorded run row or None, out_dir, link)`` for ``--resume`` (out_dir None: not resolved yet)."""
-    if out_override is not None:
-        out_dir, link = out_override, link_override
-    elif args.resume:
-        if not args.out:
-            raise CaseError("resume", "needs --out DIR, the run directory to continue")
-        out_dir, link = resolve_out_dir(args.out, "", args.make_default, True)
-    else:
-        return None, None, None
-    if not args.resume:
-        return None, out_dir, link
-    recorded = resume_mod.recorded_run(out_dir)
-    stream = out_dir / "results.jsonl"
-    if recorded is None and stream.is_file() and stream.stat().st_size:
-        raise CaseError("resume", f"{stream} holds no readable run row (killed while starting?): nothing recorded "
-                                  "to continue; start the run again with --force and its options")
-    return recorded, out_dir, link
-
-
-def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_override: Optional[Path] = None,
-                         link_override: Optional[Path] = None) -> tuple[dict, int, Path, Optional[Path]]:
+def precheck(args: argparse.Namespace) -> None:
+    """The checks of ``run`` / ``metamorphic`` that need neither torch nor the cases (:class:`CaseError`)."""
+    if args.command not in ("run", "metamorphic"):
+        return
     check_run_options(args)
-    given = getattr(args, "given", set())
-    recorded, out_dir, link = _recorded(args, out_override, link_override)
-    if recorded is not None:  # --resume continues exactly the recorded run (parity.resume)
-        resume_mod.apply_recorded_options(args, given, recorded, out_dir)
-        oracle = resume_mod.check_oracle(oracle, given, recorded, out_dir)
-        if set(given) & set(resume_mod.SELECTION_OPTIONS):
-            resume_mod.check_selection(given, _applicable(select_cases(args)[1], oracle), recorded, out_dir)
-        label, cases = resume_mod.recorded_cases(recorded, out_dir)
-        run_id = str(recorded.get("run_id") or out_dir.name)
-        _check_impls(args, oracle)
-        check_run_options(args)  # the recorded options too
-    else:
-        label, cases = select_cases(args)
-        cases = _applicable(cases, oracle)
-        run_id = new_run_id(label, args.impl, oracle)
-        if out_override is None:
-            out_dir, link = resolve_out_dir(args.out, run_id, args.make_default, args.resume)
-    options = run_options(args)
-    check_memory(cases, options.torch_device())
-    config = RunConfig(suite=label, options=options, out_dir=out_dir, oracle=oracle, resume=args.resume,
-                       isolate=args.isolate, timeout=args.timeout, junit=args.junit,
-                       argv=["dsv4-parity", *getattr(args, "argv", sys.argv[1:])],
-                       run_id=run_id, quiet=args.quiet, workers=parse_workers(getattr(args, "workers", "1")),
-                       threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None),
-                       force=getattr(args, "force", False), link=link, selection=selection_record(label, cases))
-    counts, code = run(cases, config)
-    _say(summary_line(counts, counts.get("fixed?", 0)) + (f" [oracle {oracle}]" if oracle else ""))
-    return counts, code, out_dir, link
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    try:
-        _check_impls(args, args.oracle)
-        if args.oracle:
-            if args.oracle not in ORACLES:
-                raise CaseError("oracle", f"unknown oracle {args.oracle!r} (known: {', '.join(ORACLES)})")
-        counts, code, out_dir, link = run_oracle_or_parity(args, args.oracle)
-    except CaseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # ImplError
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the results stream cannot be read or written (e.g. a full disk at the start)
-        print(f"error: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    if args.make_default and not args.no_report:
-        _render_report(out_dir)
-    _say(_report_hint(out_dir, link))
-    return code
+    check_selection_options(args)
+    oracle = args.oracle
+    check_oracles([oracle] if isinstance(oracle, str) else (oracle or []))
 
 
 def cmd_metamorphic(args: argparse.Namespace) -> int:
     if args.list:
-        for name, oracle in ORACLES.items():
-            print(f"{name:<20} {oracle.summary}")
+        for name, summary in ORACLE_SUMMARIES.items():
+            print(f"{name:<20} {summary}")
         return 0
-    names = args.oracle or list(ORACLES)
-    try:
-        unknown = [n for n in names if n not in ORACLES]
-        if unknown:
-            raise CaseError("oracle", f"unknown oracle {unknown[0]!r} (known: {', '.join(ORACLES)})")
-        _check_impls(args, "metamorphic")
-        root, link = resolve_out_dir(args.out, new_run_id(args.suite or "smoke", args.impl, "metamorphic"),
-                                     args.make_default, args.resume)
-        worst = 0
-        for name in names:
-            _, code, _, _ = run_oracle_or_parity(args, name, out_override=root / name)
-            worst = max(worst, code)
-    except (CaseError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"results: {root}/<oracle>/results.jsonl")
-    return worst
-
-
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    try:
-        return calibrate(args.results, write=args.write, policy_path=args.policy, margin=args.margin,
-                         include_failures=args.include_failures)
-    except CaseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return _later("cmd_metamorphic")(args)
 
 
 # ---- parser ----------------------------------------------------------------------------------------------------------
@@ -231,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run metamorphic oracle NAME on --impl instead of comparing with --against "
                           "(see `dsv4-parity metamorphic --list`)")
     add_output_options(run)
-    run.set_defaults(func=cmd_run)
+    run.set_defaults(func=_later("cmd_run"))
 
     meta = sub.add_parser("metamorphic", help="run metamorphic oracles (no second implementation needed)",
                           description="Run metamorphic oracles on --impl: THD pack = per-segment runs, padding "
@@ -243,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     meta.add_argument("--oracle", action="append", help="oracle name (repeatable; default all)")
     meta.add_argument("--list", action="store_true", help="list the oracles and exit")
     add_output_options(meta)
-    meta.set_defaults(func=cmd_metamorphic)
+    meta.set_defaults(func=cmd_metamorphic, torch_free=lambda args: args.list)
 
     cal = sub.add_parser("calibrate", help="measure worst cases from result files into the tolerance policy",
                          description="Read results.jsonl files, print the worst value over the passing cases per "
@@ -255,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--margin", type=float, default=2.0, help="suggested threshold = margin × worst (default 2)")
     cal.add_argument("--include-failures", action="store_true",
                      help="also measure failing cases (default: passing cases only)")
-    cal.set_defaults(func=cmd_calibrate)
+    cal.set_defaults(func=_later("cmd_calibrate"))
 
     for command in (cases_command, report_command, gate_command, mutants_command, bench_command,
                     compare_runs_command, cache_command):
@@ -265,19 +158,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a typo or --help ends here, before torch
     args.argv = list(argv) if argv is not None else sys.argv[1:]
-    args.given = resume_mod.given_options(parser, args.argv)
+    args.given = given_options(parser, args.argv)
     if getattr(args, "megatron", None):
         os.environ["DSV4_MEGATRON"] = args.megatron
-    configure_torch()
+        os.environ["DSV4_MEGATRON_ORIGIN"] = "--megatron"  # how adapters.megatron.source names it in a message
+    torch_free = getattr(args, "torch_free", False)
     try:
+        precheck(args)
+        if not (torch_free(args) if callable(torch_free) else torch_free):
+            load_torch()
         return int(args.func(args) or 0)
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        if not isinstance(exc, Interrupted):  # the runner already said how to continue
+        runner = sys.modules.get("parity.runner")  # not loaded: no run was interrupted
+        if runner is None or not isinstance(exc, runner.Interrupted):  # the runner already said how to continue
             print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `dsv4-parity run ... | head`: the reader left; the results file is complete

@@ -1,4 +1,11 @@
-"""``dsv4-parity mutants``: the command-line half of :mod:`parity.mutation_suite`."""
+"""``dsv4-parity mutants``: the command-line half of :mod:`parity.mutation_suite` (and, with ``--impl megatron``,
+of :mod:`parity.megatron_mutants`).
+
+Every run writes a new folder: without ``--out``, ``reports/out/<run-id>`` (``<time>-<suite>-fused-mutants``) with
+the link ``reports/out/mutants`` moved to it, as ``make parity`` moves ``reports/out/latest``; ``--out`` a symlink
+works the same way; ``--out DIR`` is that directory (refused when it holds a run, unless ``--force``). The suite
+and the engine load torch: :func:`cmd_mutants` imports them when it runs (the parser needs none of it).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +16,41 @@ from pathlib import Path
 from typing import Optional
 
 from cases.errors import CaseError
-from parity import mutants
-from parity.mutation_suite import DEFAULT_OUT, DESCRIPTION, MUTANTS_NAME, mutation_suite
+from parity.names import MEGATRON_MUTANTS_OUT, MUTANTS_LINK, MUTANTS_NAME
 
-from parity.megatron_mutants import DEFAULT_OUT as MEGATRON_OUT
-from parity.megatron_mutants import main as megatron_mutants
-from cli.options import PROVIDERS, add_megatron_argument, add_selection_options, select_cases
-from cli.report_command import render_run
+from cli.options import PROVIDERS, add_megatron_argument, add_selection_options
+
+DESCRIPTION = f"""\
+Mutation suite: switch on each planted bug of parity/mutants.py in turn and run the suite (fused, --provider, against
+the reference, in-process). A mutant is killed by the first case that passed clean and now fails or errors;
+survived if its mutation point ran and nothing failed; unreachable if no case hits one of its reach cells
+(`--list` shows them; the missing cell is printed). Writes <out>/results.jsonl (the clean run) and
+<out>/{MUTANTS_NAME} (the kill matrix of `dsv4-parity report <out>`); each run a new folder, {MUTANTS_LINK} naming
+the newest. Exit 0 iff the clean run passed and every mutant was killed; the last line reads `mutants: K/N killed`.
+"""
+
+
+def out_dir_of(out: Optional[str], run_id: str) -> tuple[Path, Optional[Path]]:
+    """``(run directory, link to point at it or None)`` of a mutation run (module docstring). A real directory
+    where the default link belongs (left by an older version) is kept: the run still gets a new folder."""
+    from parity.runner import resolve_out_dir, unique_sibling
+
+    if out:
+        path = Path(out)
+        return resolve_out_dir(out, run_id, False, False) if path.is_symlink() else (path, None)
+    link = MUTANTS_LINK
+    target = unique_sibling(link.parent, run_id)
+    if link.exists() and not link.is_symlink():
+        print(f"note: {link} is a directory (from an older version), not a link: this run writes {target}; remove "
+              f"{link} to have it name the newest run", file=sys.stderr)
+        return target, None
+    return target, link
+
 
 def _render_report(out_dir: Path) -> Optional[str]:
     """index.html of the run directory (kill matrix included), best effort; returns a note on failure."""
+    from cli.report_command import render_run
+
     try:
         render_run(out_dir, quiet=True)
     except Exception as exc:  # noqa: BLE001 — the verdict does not depend on the report
@@ -29,10 +61,18 @@ def _render_report(out_dir: Path) -> Optional[str]:
 #: options of the fused mutation suite that --impl megatron has no use for (each mutant runs on its own cases)
 FUSED_ONLY = (("suite", None, "--suite"), ("case", [], "--case"), ("case_id", [], "--case-id"),
               ("limit", None, "--limit"), ("keep_going", False, "--keep-going"), ("device", "auto", "--device"),
-              ("policy", None, "--policy"), ("quiet", False, "--quiet"), ("no_report", False, "--no-report"))
+              ("policy", None, "--policy"), ("quiet", False, "--quiet"), ("no_report", False, "--no-report"),
+              ("force", False, "--force"))
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
+    from parity import mutants
+    from parity.megatron_mutants import main as megatron_mutants
+    from parity.mutation_suite import mutation_suite
+    from parity.runner import new_run_id
+
+    from cli.options import select_cases
+
     if args.impl == "megatron":  # real-code mutants: patches to a scratch copy of Megatron-LM
         unused = [flag for name, default, flag in FUSED_ONLY if getattr(args, name, default) != default]
         if unused:
@@ -56,12 +96,13 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out_dir = Path(args.out or DEFAULT_OUT)
+    run_id = new_run_id(label, "fused", "mutants")
+    out_dir, link = out_dir_of(args.out, run_id)
     start = time.perf_counter()
     counts, outcomes = mutation_suite(cases, names, out_dir, suite=label, provider=args.provider,
                                       device=args.device, policy_path=args.policy, keep_going=args.keep_going,
-                                      quiet=args.quiet, argv=sys.argv,
-                                      echo=lambda line: print(line, flush=True))
+                                      quiet=args.quiet, argv=sys.argv, echo=lambda line: print(line, flush=True),
+                                      force=args.force, link=link, run_id=run_id)
     if not args.no_report:
         note = _render_report(out_dir)
         if note:
@@ -97,9 +138,12 @@ def add_parsers(sub) -> dict:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run")
     p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
     p.add_argument("--out",
-                   help=f"run directory: results.jsonl of the clean run + {MUTANTS_NAME} (default {DEFAULT_OUT}); "
-                        f"--impl megatron writes {MUTANTS_NAME} only, a row per mutant as it is judged (default "
-                        f"{MEGATRON_OUT})")
+                   help=f"run directory: results.jsonl of the clean run + {MUTANTS_NAME} (default: a new "
+                        f"reports/out/<run-id> per run, the link {MUTANTS_LINK} moved to it; a symlink --out moves "
+                        f"the same way); --impl megatron writes {MUTANTS_NAME} only, a row per mutant as it is "
+                        f"judged (default {MEGATRON_MUTANTS_OUT})")
+    p.add_argument("--force", action="store_true",
+                   help="replace the run an --out directory holds (only what a run writes there is deleted)")
     p.add_argument("--no-report", action="store_true", help="do not render index.html")
     p.add_argument("--quiet", action="store_true", help="no per-case lines during the clean run")
     p.set_defaults(func=cmd_mutants)

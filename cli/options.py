@@ -1,4 +1,8 @@
-"""Options shared by the subcommands, and the case selection they name (``--suite`` / ``--case`` / ``--case-id``)."""
+"""Options shared by the subcommands, and the case selection they name (``--suite`` / ``--case`` / ``--case-id``).
+
+The ``add_*`` functions build parsers and import nothing heavy (the command line parses and checks its arguments
+before it loads torch); the selection helpers load the cases, and with them torch, when a command runs.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,16 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from cases.case import Case
 from cases.errors import CaseError
-from cases.suites import load_suite, suite_names
-from parity.engine import RunOptions
-from parity.runner import select
+from cases.vocabulary import SUITE_NAMES, check_suite
 
 PROVIDERS = ("auto", "torch", "cudnn", "flashmla", "unfused", "emulated")
 
 
 def add_implementation_options(p: argparse.ArgumentParser, *, impl_default: str = "fused") -> None:
     p.add_argument("--impl", default=impl_default,
-                   help=f"implementation under test: reference, fused, or module[:attr] (default {impl_default})")
+                   help=f"implementation under test: fused, megatron (production's Megatron-LM layer, see "
+                        f"--megatron), reference, or module[:attr] (default {impl_default})")
     p.add_argument("--against", default="reference", help="the implementation giving the truth (default reference)")
     p.add_argument("--provider", default="auto", choices=PROVIDERS,
                    help="kernel provider; auto = per stage, the best available here (default auto); megatron: "
@@ -40,7 +42,7 @@ def add_megatron_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_selection_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", help="suite name (smoke, gate, gate-cpu, nightly, production; default smoke)")
+    p.add_argument("--suite", help=f"suite name ({', '.join(SUITE_NAMES)}; default smoke)")
     p.add_argument("--case", action="append", default=[], metavar="JSON",
                    help="a case as JSON, or @FILE holding one case object or a list (repeatable)")
     p.add_argument("--case-id", action="append", default=[], metavar="ID",
@@ -55,7 +57,9 @@ def add_output_options(p: argparse.ArgumentParser) -> None:
                    help="continue the run recorded in --out: its selection, implementation and options (from its "
                         "run row); re-runs the cases that errored or were cut off")
     p.add_argument("--force", action="store_true",
-                   help="replace an --out directory that already holds a run (it is cleared whole)")
+                   help="replace the run an --out directory holds: deletes what a run writes there (results.jsonl, "
+                        "results.csv, index.html, mutants.jsonl, .lock) and nothing else; a directory holding no "
+                        "run is never touched")
     p.add_argument("--make-default", action="store_true",
                    help="point reports/out/latest at this run (what `make report` reads) and render its report")
     p.add_argument("--no-report", action="store_true", help="with --make-default: do not render the report")
@@ -82,14 +86,53 @@ def add_output_options(p: argparse.ArgumentParser) -> None:
 
 
 # ---- case selection --------------------------------------------------------------------------------------------------
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The ``dest`` of every option ``argv`` sets explicitly (parsed once more with every default suppressed): what
+    ``--resume`` checks against the recorded run (:mod:`parity.resume`)."""
+    saved = []
+
+    def suppress(p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    suppress(sub)
+            elif action.dest != "help":
+                saved.append((action, action.default))
+                action.default = argparse.SUPPRESS
+        saved.append((p, dict(p._defaults)))
+        p._defaults.clear()
+
+    suppress(parser)
+    try:
+        namespace = parser.parse_args(list(argv))
+    finally:
+        for owner, value in saved:
+            if isinstance(owner, argparse.ArgumentParser):
+                owner._defaults.update(value)
+            else:
+                owner.default = value
+    return set(vars(namespace))
+
+
+def check_selection_options(args: argparse.Namespace) -> None:
+    """What can be checked of ``--suite`` before the cases load (an unknown name: :class:`CaseError`)."""
+    if getattr(args, "suite", None) and not getattr(args, "case", None):
+        check_suite(args.suite)
+
+
 def _parse_cases(items: Sequence[str]) -> list:
+    from cases.case import Case
+
     out = []
     for item in items:
         if item.startswith("@"):
             try:
-                text = Path(item[1:]).read_text()
+                text = Path(item[1:]).read_text(encoding="utf-8")
             except OSError as exc:
                 raise CaseError("case", f"cannot read {item[1:]}: {exc.strerror}") from None
+            except UnicodeDecodeError:
+                raise CaseError("case", f"{item[1:]} is not a case file: binary or not UTF-8 text (a case is JSON; "
+                                        "see `dsv4-parity cases --json`)") from None
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as exc:
@@ -106,6 +149,9 @@ def _parse_cases(items: Sequence[str]) -> list:
 
 def select_cases(args: argparse.Namespace) -> tuple[str, list]:
     """``(suite label, cases)`` from ``--case`` / ``--case-id`` / ``--suite`` / ``--limit``."""
+    from cases.suites import load_suite, suite_names
+    from parity.runner import select
+
     if args.case:
         label, cases = "adhoc", _parse_cases(args.case)
     else:
@@ -132,6 +178,8 @@ def select_cases(args: argparse.Namespace) -> tuple[str, list]:
 
 def selection_record(label: str, cases: list) -> dict:
     """The selection recorded on the run row (what ``--resume`` continues): a suite by name, or the ad-hoc cases."""
+    from cases.suites import suite_names
+
     if label in suite_names():
         return {"label": label}
     return {"label": label, "cases": [c.to_dict() for c in cases]}
@@ -139,5 +187,7 @@ def selection_record(label: str, cases: list) -> dict:
 
 def run_options(args: argparse.Namespace) -> RunOptions:
     """The engine options named on the command line."""
+    from parity.engine import RunOptions
+
     return RunOptions(impl=args.impl, against=args.against, provider=args.provider, device=args.device,
                       require=getattr(args, "require", None), policy_path=args.policy)

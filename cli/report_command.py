@@ -1,4 +1,5 @@
-"""``dsv4-parity report`` and ``dsv4-parity compare``: the command-line half of :mod:`reports`.
+"""``dsv4-parity report`` and ``dsv4-parity compare``: the command-line half of :mod:`reports`. The parser needs
+only :mod:`reports.schema`; the commands import the views (pandas, matplotlib) when they run.
 
 Exit codes: 0 rendered / gate passed; 1 drift gate failed (``compare``); 2 bad input (one-line message on stderr).
 """
@@ -9,24 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
-from parity.runner import DEFAULT_OUT_ROOT
-
-from reports.baselines import BASELINES_ROOT, default_baseline, default_name, load_baseline, save_baseline
-from reports.drift import GateConfig
-from reports.errors import ReportError
-from reports.gate import (judge_gate_dir, manifest_runs, markdown_summary, parse_baselines, print_summary,
-                          read_manifest, title_of, write_index)
-from reports.load import load_run, resolve_results
-from reports.markdown import MAX_BYTES, render_markdown
-from reports.render import drift_of
-from reports.render import render_run as _render
+from parity.names import OUT_ROOT
 from reports.schema import DRIFT_METRICS
-from reports.table import metrics_table
-from reports.terminal import render_drift
 
-OUT_ROOT = DEFAULT_OUT_ROOT
 LATEST = OUT_ROOT / "latest"
 
 
@@ -42,7 +28,7 @@ def _gate_options(parser: argparse.ArgumentParser) -> None:
                             "(default 0.25)")
     group.add_argument("--ratio-floor", type=float, default=None,
                        help="floor for noise_floor_ratio (default 0.25)")
-    parser.add_argument("--baselines-dir", type=Path, default=BASELINES_ROOT, help=argparse.SUPPRESS)
+    parser.add_argument("--baselines-dir", type=Path, default=None, help=argparse.SUPPRESS)  # None: the committed
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -87,20 +73,30 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     compare.set_defaults(func=compare_command)
 
 
-def _console() -> Console:
+def _baselines_dir(args: argparse.Namespace) -> Path:
+    from reports.baselines import BASELINES_ROOT
+
+    return args.baselines_dir if args.baselines_dir is not None else BASELINES_ROOT
+
+
+def _console():
+    from rich.console import Console
+
     console = Console(highlight=False)
     if not console.is_terminal:  # CI logs / pipes: rich's 80-column default folds the tables
         console = Console(highlight=False, width=160)
     return console
 
 
-def _fail(command: str, error: ReportError) -> int:
+def _fail(command: str, error: Exception) -> int:
     print(f"dsv4-parity {command}: error: {error}", file=sys.stderr)
     return 2
 
 
 def _gate_dir(run: str) -> tuple[Path, dict] | None:
     """``(directory, manifest)`` when ``run`` names a gate directory (``dsv4-parity gate`` of several paths)."""
+    from reports.gate import read_manifest
+
     for candidate in (Path(run), OUT_ROOT / str(run)):
         if candidate.is_dir():
             manifest = read_manifest(candidate)
@@ -112,6 +108,9 @@ def _gate_dir(run: str) -> tuple[Path, dict] | None:
 def _report_gate(args: argparse.Namespace, directory: Path, manifest: dict) -> int:
     """``report`` of a gate directory: every run rendered against its baseline, then the side-by-side summary
     (terminal), or the gate's markdown: its side-by-side block, then each path's summary in an equal share of 64 KiB."""
+    from reports.gate import judge_gate_dir, markdown_summary, print_summary, title_of, write_index
+    from reports.markdown import MAX_BYTES, render_markdown
+
     terminal = args.format == "terminal" and not args.quiet
     console = _console() if terminal else None
     verdicts = judge_gate_dir(directory, manifest, baseline=args.baseline, console=console,
@@ -132,6 +131,11 @@ def _report_gate(args: argparse.Namespace, directory: Path, manifest: dict) -> i
 
 
 def report_command(args: argparse.Namespace) -> int:
+    from reports.errors import ReportError
+    from reports.load import resolve_results
+    from reports.markdown import render_markdown
+    from reports.render import render_run as _render
+
     try:
         gate = _gate_dir(args.run)
         if gate is not None:
@@ -141,7 +145,7 @@ def report_command(args: argparse.Namespace) -> int:
         terminal = args.format == "terminal" and not args.quiet
         rendered = _render(results, baseline=baseline, console=_console() if terminal else None,
                            html=not args.no_html, csv=not args.no_csv, top=args.top,
-                           baselines_root=args.baselines_dir, gate_overrides=_overrides(args))
+                           baselines_root=_baselines_dir(args), gate_overrides=_overrides(args))
         if args.format == "markdown":
             print(render_markdown(rendered.data, rendered.table, drift=rendered.drift, top=args.top,
                                   baseline_name=rendered.baseline.name if rendered.baseline else None), end="")
@@ -151,6 +155,10 @@ def report_command(args: argparse.Namespace) -> int:
 
 
 def compare_command(args: argparse.Namespace) -> int:
+    from reports.errors import ReportError
+    from reports.gate import manifest_runs, parse_baselines
+    from reports.load import resolve_results
+
     console = _console()
     try:
         gate = _gate_dir(args.run)
@@ -171,26 +179,35 @@ def compare_command(args: argparse.Namespace) -> int:
     return max(codes, default=0)
 
 
-def _compare_one(results: Path, name: str, args: argparse.Namespace, console: Console) -> int:
+def _compare_one(results: Path, name: str, args: argparse.Namespace, console) -> int:
     """``compare`` of one run against baseline ``name`` (``auto``: its default), or ``--update`` of it."""
+    from reports.baselines import default_baseline, default_name, load_baseline, save_baseline
+    from reports.drift import GateConfig
+    from reports.errors import ReportError
+    from reports.load import load_run
+    from reports.render import drift_of
+    from reports.render import render_run as _render
+    from reports.table import metrics_table
+    from reports.terminal import render_drift
+
     try:
         data = load_run(results)
         if name == "auto":
-            name = default_baseline(data, args.baselines_dir) or (default_name(data) if args.update else None)
+            name = default_baseline(data, _baselines_dir(args)) or (default_name(data) if args.update else None)
             if not name:
                 raise ReportError("--baseline", "no committed baseline for this run's arch/suite; pass --baseline")
         if args.update:
             gate = GateConfig().updated(**_overrides(args))
-            target = save_baseline(data, metrics_table(data), name, root=args.baselines_dir, gate=gate)
+            target = save_baseline(data, metrics_table(data), name, root=_baselines_dir(args), gate=gate)
             console.print(f"baseline written: {target}")
             return 0
         if args.render:
-            rendered = _render(results, baseline=name, console=None, baselines_root=args.baselines_dir,
+            rendered = _render(results, baseline=name, console=None, baselines_root=_baselines_dir(args),
                                gate_overrides=_overrides(args))
             drift, base = rendered.drift, rendered.baseline
             console.print(f"html: {rendered.html}")
         else:
-            base = load_baseline(name, current=data, root=args.baselines_dir)
+            base = load_baseline(name, current=data, root=_baselines_dir(args))
             drift = drift_of(data, metrics_table(data), base, **_overrides(args))
         shared = set(data.cases["case_id"]) & set(base.table["case_id"])
         metric = drift.config.metric
@@ -213,4 +230,6 @@ def _compare_one(results: Path, name: str, args: argparse.Namespace, console: Co
 def render_run(run: str | Path, *, quiet: bool = False) -> None:
     """What ``run --make-default`` and ``mutants`` call on their run directory: every view, default baseline, terminal
     summary on stdout unless ``quiet``. Raises :class:`ReportError` on a stream it cannot render."""
+    from reports.render import render_run as _render
+
     _render(run, baseline="auto", console=None if quiet else _console())

@@ -34,10 +34,10 @@ from adapters.megatron.source import MegatronSourceError, locate
 from cases.suites import load_suite
 from parity.engine import RunOptions, configure_torch, run_case
 from parity.impls import load
-from parity.mutation_suite import MUTANTS_NAME
+from parity.names import MEGATRON_MUTANTS_OUT, MUTANTS_NAME
 
-#: where ``mutants --impl megatron`` writes without ``--out`` (not the fused suite's ``reports/out/mutants``)
-DEFAULT_OUT = Path("reports") / "out" / "mutants-megatron"
+#: where ``mutants --impl megatron`` writes without ``--out`` (not the fused suite's folder)
+DEFAULT_OUT = MEGATRON_MUTANTS_OUT
 
 VARIANT = "megatron/core/transformer/experimental_attention_variant"
 FUSED = f"{VARIANT}/csa_utils/fused_sparse_attention.py"
@@ -399,7 +399,7 @@ def summary(outcomes: Sequence[Outcome], plan: Plan) -> tuple[str, bool]:
 def main(args: argparse.Namespace) -> int:
     """``dsv4-parity mutants --impl megatron [--provider cudnn | emulated [--capability 9.0]]``."""
     try:
-        source = locate(getattr(args, "megatron", None) or os.environ.get("DSV4_MEGATRON") or None)
+        source = locate(getattr(args, "megatron", None) or None)  # else DSV4_MEGATRON, named as such
         plan = plan_of(args)
     except (MegatronSourceError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -49,6 +49,7 @@ from . import metrics
 from . import policy as policy_mod
 from .engine import RunOptions, _where, one_line
 from .impls import Implementation, is_unsupported
+from .names import ORACLE_SUMMARIES
 from .padding_dout import compared
 from .results import CaseResult
 from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, take_snapshot, tensor_class
@@ -366,23 +367,18 @@ def _multi(case: Case) -> bool:
     return _thd(case) and len(_segments(case)) >= 2
 
 
-ORACLES = {
-    "thd-pack": Oracle("thd-pack", "THD pack = its real segments run one by one as BSHD B=1", _thd, _thd_pack),
-    "padding-poison": Oracle("padding-poison", "poisoned padding rows change nothing on real rows (bitwise)",
-                             _has_padding, _padding_poison),
-    "padding-dout": Oracle("padding-dout", "a huge output gradient on padding rows changes nothing (bitwise)",
-                           _has_padding, _padding_dout),
-    "unpadded": Oracle("unpadded", "a padded pack (poisoned) equals the same segments packed without padding",
-                       _has_padding, _unpadded),
-    "capacity": Oracle("capacity", "a compressed-row capacity equals the exact count",
-                       lambda c: _thd(c) and c.config.compress_ratio > 1, _capacity),
-    "identical-segments": Oracle("identical-segments", "segments with equal leading rows give equal rows",
-                                 _multi, _identical_segments),
-    "determinism": Oracle("determinism", "two runs are bit-identical (padding rows included)", lambda c: True,
-                          _determinism),
-    "graph-replay": Oracle("graph-replay", "a CUDA graph replayed on other packings equals eager (CUDA only)",
-                           lambda c: _thd(c) and bool(graph_replay.repackings(c.layout)), _graph_replay),
+_ORACLE_CHECKS = {
+    "thd-pack": (_thd, _thd_pack),
+    "padding-poison": (_has_padding, _padding_poison),
+    "padding-dout": (_has_padding, _padding_dout),
+    "unpadded": (_has_padding, _unpadded),
+    "capacity": (lambda c: _thd(c) and c.config.compress_ratio > 1, _capacity),
+    "identical-segments": (_multi, _identical_segments),
+    "determinism": (lambda c: True, _determinism),
+    "graph-replay": (lambda c: _thd(c) and bool(graph_replay.repackings(c.layout)), _graph_replay),
 }
+#: every oracle, named and summarised in :data:`parity.names.ORACLE_SUMMARIES` (what the CLI lists without torch)
+ORACLES = {name: Oracle(name, summary, *_ORACLE_CHECKS[name]) for name, summary in ORACLE_SUMMARIES.items()}
 
 
 def applicable(name: str, case: Case) -> bool:

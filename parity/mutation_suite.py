@@ -34,18 +34,7 @@ from . import policy as policy_mod
 from . import runner
 from .engine import RunOptions, run_case
 from .execution import load_impl
-
-DEFAULT_OUT = Path("reports") / "out" / "mutants"
-MUTANTS_NAME = "mutants.jsonl"
-
-DESCRIPTION = """\
-Mutation suite: switch on each planted bug of parity/mutants.py in turn and run the suite (fused, --provider, against
-the reference, in-process). A mutant is killed by the first case that passed clean and now fails or errors;
-survived if its mutation point ran and nothing failed; unreachable if no case hits one of its reach cells
-(`--list` shows them; the missing cell is printed). Writes <out>/results.jsonl (the clean run) and
-<out>/mutants.jsonl (the kill matrix of `dsv4-parity report <out>`). Exit 0 iff the clean run passed and every
-mutant was killed; the last line reads `mutants: K/N killed`.
-"""
+from .names import MUTANTS_NAME
 
 @dataclass
 class Kill:
@@ -174,16 +163,18 @@ def clean_outcomes(results_path: Path) -> dict:
 def mutation_suite(cases: Sequence[Case], names: Sequence[str], out_dir: Path, *, suite: str = "adhoc",
                    provider: str = "torch", device: str = "auto", policy_path: Optional[str] = None,
                    keep_going: bool = False, quiet: bool = True, argv: Sequence[str] = (),
-                   echo: Callable[[str], None] = print) -> tuple[dict, list[MutantOutcome]]:
+                   echo: Callable[[str], None] = print, force: bool = False, link: Optional[Path] = None,
+                   run_id: Optional[str] = None) -> tuple[dict, list[MutantOutcome]]:
     """The clean run (``out_dir/results.jsonl``), then every mutant of ``names``; writes ``mutants.jsonl``.
-    Returns ``(clean counts, outcomes)``."""
+    Returns ``(clean counts, outcomes)``. ``out_dir`` is prepared as for ``dsv4-parity run`` (a directory holding
+    a run is refused unless ``force`` replaces it: :mod:`parity.rundir`); ``link`` (a symlink) is pointed at it once
+    the clean run starts."""
     if mutants.active():
         raise RuntimeError(f"mutants {sorted(mutants.active())} are active: the clean run would not be clean")
-    (out_dir / MUTANTS_NAME).unlink(missing_ok=True)  # never leave a previous run's matrix next to this run
     options = RunOptions(impl="fused", against="reference", provider=provider, device=device,
                          policy_path=policy_path)
     config = runner.RunConfig(suite=suite, options=options, out_dir=out_dir, isolate="none", quiet=quiet, argv=argv,
-                              run_id=runner.new_run_id(suite, "fused", "mutants"))
+                              run_id=run_id or runner.new_run_id(suite, "fused", "mutants"), force=force, link=link)
     counts, _ = runner.run(cases, config)
     clean = clean_outcomes(out_dir / "results.jsonl")
     echo(f"clean: {sum(counts.values())} cases: {counts['pass']} passed, {counts['fail']} failed, "

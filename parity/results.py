@@ -162,6 +162,23 @@ class ResultsWriter:
         self.close()
 
 
+def create_stream(path: Path, rows: Iterable[dict]) -> None:
+    """Create ``path`` holding ``rows`` (a run's ``run`` row) in one step: written to ``<path>.tmp``, synced, renamed.
+    A run killed while starting leaves no ``results.jsonl`` without its ``run`` row (at most the temporary, which
+    the next run in the directory deletes, :mod:`parity.rundir`). Raises :class:`ResultsWriteError`."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as handle:
+            handle.write("".join(dumps(r) + "\n" for r in rows))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ResultsWriteError(exc.errno, f"cannot write {path}: {exc.strerror}") from None
+
+
 def read_rows(path: Path) -> list[dict]:
     """The rows of a ``results.jsonl`` in file order (a torn line of a killed run is skipped)."""
     rows = []

@@ -14,7 +14,8 @@ resumed run equals an uninterrupted one bit for bit (README, "Reproducibility");
 ``--threads`` is allowed and says on stderr that the cases it runs may differ from the recorded ones in the last
 bits.
 
-:func:`given_options` tells which options a command line set explicitly (argparse fills in defaults otherwise).
+Which options a command line set explicitly (argparse fills in defaults otherwise) is ``cli.options.given_options``;
+a directory with no recorded run cannot be resumed (the command line refuses it: :func:`recorded_run` is None).
 """
 
 from __future__ import annotations
@@ -33,33 +34,6 @@ from cases.suites import load_suite
 RECORDED_OPTIONS = {"impl": "impl", "against": "against", "provider": "provider", "device": "device",
                     "require": "require", "policy": "policy_path"}
 SELECTION_OPTIONS = ("suite", "case", "case_id", "limit")
-
-
-def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    """The ``dest`` of every option ``argv`` sets explicitly (parsed once more with every default suppressed)."""
-    saved = []
-
-    def suppress(p: argparse.ArgumentParser) -> None:
-        for action in p._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
-                    suppress(sub)
-            elif action.dest != "help":
-                saved.append((action, action.default))
-                action.default = argparse.SUPPRESS
-        saved.append((p, dict(p._defaults)))
-        p._defaults.clear()
-
-    suppress(parser)
-    try:
-        namespace = parser.parse_args(list(argv))
-    finally:
-        for owner, value in saved:
-            if isinstance(owner, argparse.ArgumentParser):
-                owner._defaults.update(value)
-            else:
-                owner.default = value
-    return set(vars(namespace))
 
 
 def recorded_run(out_dir: Path) -> Optional[dict]:

@@ -39,6 +39,7 @@ import torch
 from cases.case import Case
 from cases.errors import CaseError
 
+from . import names
 from . import results
 from . import shard
 from .engine import RunOptions
@@ -50,8 +51,8 @@ from .rundir import check_writable_file, prepare
 from .shard import Slot
 from .worker import WorkerPool
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT_ROOT = REPO / "reports" / "out"
+REPO = names.REPO
+DEFAULT_OUT_ROOT = names.OUT_ROOT
 
 
 # ---- output directory ------------------------------------------------------------------------------------------------
@@ -59,6 +60,16 @@ def new_run_id(suite: str, impl: str, oracle: Optional[str] = None) -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = impl.replace(":", "-").replace("/", "-").split(".")[-1]
     return f"{stamp}-{suite}-{name}" + (f"-{oracle}" if oracle else "")
+
+
+def unique_sibling(parent: Path, run_id: str) -> Path:
+    """``parent/run_id``, or ``parent/run_id-2``, ``-3``, ... when a run of the same second already has that name:
+    a new run never lands in another run's directory."""
+    path, n = parent / run_id, 1
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = parent / f"{run_id}-{n}"
+    return path
 
 
 def resolve_out_dir(out: Optional[str], run_id: str, make_default: bool, resume: bool) -> tuple[Path, Optional[Path]]:
@@ -74,13 +85,13 @@ def resolve_out_dir(out: Optional[str], run_id: str, make_default: bool, resume:
     """
     latest = DEFAULT_OUT_ROOT / "latest"
     if out is None:
-        return DEFAULT_OUT_ROOT / run_id, (latest if make_default else None)
+        return unique_sibling(DEFAULT_OUT_ROOT, run_id), (latest if make_default else None)
     path = Path(out)
     names_latest = path.absolute() == latest.absolute() or (path.is_symlink() and path.absolute() == latest)
     if path.is_symlink():
-        return (path.resolve(), None) if resume else (path.parent / run_id, path)
+        return (path.resolve(), None) if resume else (unique_sibling(path.parent, run_id), path)
     if names_latest and not path.exists():
-        return path.parent / run_id, path
+        return unique_sibling(path.parent, run_id), path
     return path, (latest if make_default and not names_latest else None)
 
 
@@ -181,17 +192,18 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         threads_before = _set_threads(threads)
         threads = _set_threads(None)
     started = time.perf_counter()
-    writer = results.ResultsWriter(path)
-    if existing.run_row is None:
+    if existing.run_row is None:  # the stream appears with its run row whole (a kill now leaves no torn start)
         opts = config.options
-        writer.write([{"type": "run", "run_id": config.run_id, "suite": config.suite, "impl": opts.impl,
-                       "against": f"oracle:{config.oracle}" if config.oracle else opts.against,
-                       "provider": _run_provider(opts),
-                       "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                       "argv": list(config.argv), "env": environment(device),
-                       "options": asdict(opts), "workers": workers, "devices": [s.device for s in slots],
-                       "threads": threads, "selection": config.selection or {},
-                       "planned": [c.id for c in cases], **_impl_info(opts.impl, opts.provider)}])
+        results.create_stream(path, [{
+            "type": "run", "run_id": config.run_id, "suite": config.suite, "impl": opts.impl,
+            "against": f"oracle:{config.oracle}" if config.oracle else opts.against,
+            "provider": _run_provider(opts),
+            "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "argv": list(config.argv), "env": environment(device),
+            "options": asdict(opts), "workers": workers, "devices": [s.device for s in slots],
+            "threads": threads, "selection": config.selection or {},
+            "planned": [c.id for c in cases], **_impl_info(opts.impl, opts.provider)}])
+    writer = results.ResultsWriter(path)
     if config.link is not None:
         point_link(config.link, out_dir)  # from its start, `latest` names this run
     if config.resume and (existing.outcomes or existing.cut or existing.errored):

@@ -53,6 +53,8 @@ from cases.case import Case
 from cases.errors import CaseError
 from cases.tensors import DRAW_THREADS_ENV
 
+from .usage import parse_workers
+
 #: Relative cost of one multiply-add per dtype, per device kind. CUDA: bf16 on tensor cores vs fp32 / fp64 on the
 #: CUDA cores (H100/H200: ~990 vs ~67 dense TFLOP/s, fp64 half of fp32 outside tensor-core GEMMs). CPU: fp32 SIMD,
 #: fp64 half the lanes, bf16 mostly emulated through fp32 conversions.
@@ -63,24 +65,6 @@ DTYPE_FACTOR = {
 
 
 # ---- worker count and placement --------------------------------------------------------------------------------------
-def parse_workers(value: Union[int, str, None]) -> Union[int, str]:
-    """``"auto"`` or a positive int, from the command line value (``None`` = 1)."""
-    if value is None:
-        return 1
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    elif isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    else:
-        try:
-            number = int(str(value).strip())
-        except ValueError:
-            raise CaseError("workers", f"must be a positive integer or 'auto', got {value!r}") from None
-    if number < 1:
-        raise CaseError("workers", f"must be a positive integer or 'auto', got {value!r}")
-    return number
-
-
 def visible_cuda_devices(env_value: Optional[str], device_count: int) -> list[str]:
     """The CUDA device tokens this process sees, as ``CUDA_VISIBLE_DEVICES`` would name them to a child.
 

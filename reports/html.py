@@ -27,7 +27,7 @@ from .drift import DriftResult
 from .load import RunData
 from .mutants import MutantReport
 from .schema import CSV_COLUMNS
-from .summary import case_summary, class_summary, outcome_by_class, plan_counts, topk_regimes
+from .summary import case_summary, class_cases, class_summary, plan_counts, topk_regimes
 from .terminal import INF_SENTINEL, fmt, ratio_text
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -164,8 +164,7 @@ def render_html(data: RunData, table: pd.DataFrame, path: Path, *, drift: DriftR
                 mutants: MutantReport | None = None) -> Path:
     """Write the report page to ``path``."""
     cases = case_summary(data, table, drift)
-    by_outcome = outcome_by_class(data, table).rename(columns={o: f"cases_{o}" for o in OUTCOMES})
-    classes = class_summary(table).merge(by_outcome, on="tensor_class", how="left")
+    classes = class_summary(table).merge(class_cases(table), on="tensor_class", how="left")
     groups = coverage(data.cases)
     context = {
         "run": data.run, "run_id": data.run_id, "counts": data.counts, "total": len(data.cases),

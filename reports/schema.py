@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 ROW_TYPES = ("run", "case", "tensor", "metric", "end")
 VERDICTS = ("pass", "fail")
 
@@ -69,8 +67,10 @@ def usage(metric: str, value: float, threshold: float | None) -> float:
     return max(spent, 0.0) / allowed
 
 
-def usage_array(metric: np.ndarray, value: np.ndarray, threshold: np.ndarray) -> np.ndarray:
+def usage_array(metric: "np.ndarray", value: "np.ndarray", threshold: "np.ndarray") -> "np.ndarray":
     """Vectorised :func:`usage` over metric rows (``metric`` names, float ``value`` / ``threshold``, NaN = none)."""
+    import numpy as np  # here, not at the top: the command line reads this module's names before anything heavy
+
     similar = np.isin(metric, list(HIGHER_IS_BETTER))
     spent = np.where(similar, 1.0 - value, value)
     allowed = np.where(similar, 1.0 - threshold, threshold)

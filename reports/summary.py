@@ -47,6 +47,28 @@ def class_summary(table: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values("tensor_class", key=_class_key, kind="stable").reset_index(drop=True)[columns]
 
 
+def class_cases(table: pd.DataFrame) -> pd.DataFrame:
+    """Per tensor class, what failed *in that class* (the "Tensors by class" table): ``cases_pass`` = cases whose
+    tensors of the class all pass; ``cases_fail`` = failed cases (outcome ``fail``) with a failing tensor of the
+    class; ``cases_known`` = cases of a registered known deviation with a failing tensor of the class. A case that
+    failed on one class counts as passing in every other class it holds."""
+    rows = table.loc[table["tensor"] != "", ["case_id", "tensor_class", "outcome", "verdict"]]
+    columns = ["tensor_class", "cases_pass", "cases_fail", "cases_known"]
+    if rows.empty:
+        return pd.DataFrame(columns=columns)
+    failed = rows.assign(failed=rows["verdict"] == "fail").groupby(["tensor_class", "case_id"], sort=False).agg(
+        failed=("failed", "any"), outcome=("outcome", "first")).reset_index()
+    grouped = failed.groupby("tensor_class", sort=False)
+    out = pd.DataFrame({
+        "cases_pass": grouped["failed"].agg(lambda f: int((~f).sum())),
+        "cases_fail": grouped.apply(lambda g: int((g["failed"] & (g["outcome"] == "fail")).sum()),
+                                    include_groups=False),
+        "cases_known": grouped.apply(lambda g: int((g["failed"] & (g["outcome"] == "known")).sum()),
+                                     include_groups=False),
+    }).reset_index()
+    return out.sort_values("tensor_class", key=_class_key, kind="stable").reset_index(drop=True)[columns]
+
+
 def outcome_by_class(data: RunData, table: pd.DataFrame) -> pd.DataFrame:
     """Cross-tab: rows tensor class, columns case outcome, cells = cases of that outcome having that class."""
     rows = table.loc[table["tensor"] != "", ["case_id", "tensor_class", "outcome"]].drop_duplicates()

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from .drift import DriftResult
 from .load import RunData
-from .summary import class_summary, offenders, outcome_by_class, plan_counts, topk_regimes
+from .summary import class_cases, class_summary, offenders, plan_counts, topk_regimes
 
 OUTCOME_STYLE = {"pass": "green", "fail": "bold red", "error": "bold magenta", "unsupported": "yellow", "known": "cyan"}
 #: The engine writes ±inf as ±1.7976931348623157e308 (strict JSON); anything this large is shown as inf.
@@ -56,9 +56,9 @@ def render_terminal(data: RunData, table: pd.DataFrame, console: Console, *, dri
     for warning in data.warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
-    by_outcome = outcome_by_class(data, table).rename(columns={o: f"cases_{o}" for o in counts})
-    summary = class_summary(table).merge(by_outcome, on="tensor_class", how="left")
-    grid = Table(title="Tensors by class (and cases containing the class, by outcome)", title_justify="left",
+    summary = class_summary(table).merge(class_cases(table), on="tensor_class", how="left")
+    grid = Table(title="Tensors by class (and the cases holding the class: whose tensors of it pass / fail)",
+                 title_justify="left",
                  header_style="bold")
     for name, justify in [("class", "left"), ("tensors", "right"), ("pass", "right"), ("fail", "right"),
                           ("cases pass", "right"), ("cases fail", "right"), ("max_rel p50", "right"),

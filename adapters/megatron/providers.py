@@ -18,7 +18,6 @@ import contextlib
 import contextvars
 import io
 import logging
-import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -48,7 +47,7 @@ def megatron() -> Megatron:
     """The imported Megatron-LM (``DSV4_MEGATRON`` or the snapshot), with the process-wide stand-ins in place."""
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        mg = load(os.environ.get("DSV4_MEGATRON") or None)
+        mg = load(None)  # locate reads DSV4_MEGATRON itself, so its messages name where the path came from
     if id(mg) not in _PREPARED:
         logging.getLogger("megatron").setLevel(logging.ERROR)  # config notes (e.g. derived head dims) on stderr
         _prepare(mg)

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 ENV_PATH = "DSV4_MEGATRON"
+#: how ``DSV4_MEGATRON`` was set, for messages: ``--megatron`` when the command line set it from that option
+ENV_ORIGIN = "DSV4_MEGATRON_ORIGIN"
 ENV_SNAPSHOT = "DSV4_MEGATRON_SNAPSHOT"
 ENV_CACHE = "DSV4_PARITY_CACHE_DIR"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -135,8 +137,11 @@ def locate(path: Optional[str] = None) -> MegatronSource:
         return MegatronSource(root, git_revision(root) or f"checkout {root} (not a git work tree)", "--megatron")
     env = os.environ.get(ENV_PATH)
     if env:
-        root = check_checkout(Path(env), ENV_PATH)
-        return MegatronSource(root, git_revision(root) or f"checkout {root} (not a git work tree)", ENV_PATH)
+        origin = os.environ.get(ENV_ORIGIN) or ENV_PATH
+        if origin not in ("--megatron", ENV_PATH):
+            origin = ENV_PATH
+        root = check_checkout(Path(env), origin)
+        return MegatronSource(root, git_revision(root) or f"checkout {root} (not a git work tree)", origin)
     archive = find_snapshot()
     if archive is None:
         looked = ", ".join(str(d / SNAPSHOT_GLOB) for d in _snapshot_dirs())

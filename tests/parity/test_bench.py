@@ -16,7 +16,7 @@ from bench.workloads import Workload
 from cli.main import main as cli_main
 
 SMALL = ["bench", "--profile", "tiny", "--tokens", "64,128", "--repeats", "1", "--warmup", "0",
-         "--harness-limit", "2", "--budget-s", "0", "--no-harness-report", "--quiet"]
+         "--harness-limit", "2", "--budget-s", "0", "--no-harness-report", "--startup-repeats", "1", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,12 @@ def test_bench_report_covers_every_section(small_run):
     assert h["status"] == "ok" and h["cases"] == 2 and sum(h["counts"].values()) == 2
     assert 0 <= h["overhead_share"] <= 1 and "impl" in h["phases"] and "compare" in h["phases"]
     assert {t["name"] for t in report["targets"]} >= {"smoke suite on CPU", "fused core fwd+bwd / sum of its kernels"}
+    startup = {r["command"]: r for r in report["startup"]["rows"]}  # issue 32, item 7: a ratio, not a timed test
+    assert startup["python -c pass"]["ratio"] == 1.0
+    for name in ("dsv4-parity --help", "dsv4-parity <typo>"):
+        assert startup[name]["ratio"] > 0 and startup[name]["torch_loaded"] is False
+    assert startup["dsv4-parity <typo>"]["exit_code"] == 2 and startup["dsv4-parity --help"]["exit_code"] == 0
+    assert startup["import torch"]["torch_loaded"] is True  # negative control of the column
 
 
 def test_check_schema_rejects_broken_reports(small_run):
@@ -75,6 +81,7 @@ def test_check_schema_rejects_broken_reports(small_run):
     r = copy.deepcopy(good); r["targets"][0]["status"] = "great"; broken.append(r)          # noqa: E702
     r = copy.deepcopy(good); del r["harness"]["overhead_share"]; broken.append(r)           # noqa: E702
     r = copy.deepcopy(good); del r["breakdown"][0]["provider_ms"]; broken.append(r)         # noqa: E702
+    r = copy.deepcopy(good); del r["startup"]["rows"][2]["ratio"]; broken.append(r)         # noqa: E702
     for i, doc in enumerate(broken):
         assert bench_output.check_schema(doc), f"corruption {i} not reported"
 

@@ -118,7 +118,7 @@ def test_make_default_moves_the_latest_link_and_resume_follows_it(tmp_path, monk
     first = link.resolve()
     assert link.is_symlink() and (first / "results.jsonl").exists()
     assert f"report:  dsv4-parity report {link}" in capsys.readouterr().out
-    monkeypatch.setattr("cli.main.new_run_id", lambda *a: "second-run")
+    monkeypatch.setattr("cli.run_command.new_run_id", lambda *a: "second-run")
     assert main(args) == 0
     assert link.resolve() == root / "second-run" != first
     assert main(args + ["--resume"]) == 0  # continues in the directory the link points at

@@ -132,7 +132,10 @@ def test_a_full_disk_stops_the_run_keeps_the_finished_cases_and_resume_completes
     assert "Traceback" not in stderr
     error = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "File too large" in error[0] and "--resume" in error[0], stderr
-    assert "1 cases: 1 passed" in stdout  # the summary of what finished
+    closing = stdout.strip().splitlines()  # what finished, then (the last line) how to continue: issue 32
+    assert any(line.startswith(f"stopped after 1 of {len(TINY)} cases") and ": 1 passed, 0 failed" in line
+               for line in closing), stdout
+    assert closing[-1] == f"continue with: dsv4-parity run --out {out} --resume", stdout
     from parity.results import case_blocks, parse_lines
 
     blocks, cut = case_blocks(parse_lines((out / "results.jsonl").read_text()))

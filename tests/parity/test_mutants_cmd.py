@@ -93,3 +93,35 @@ def test_the_clean_run_refuses_to_start_with_a_mutant_active(tmp_path):
     name = "sink_dropped_forward"
     with mutants.activate(name), pytest.raises(RuntimeError, match="clean run would not be clean"):
         mutants_cmd.mutation_suite([BSHD_WINDOW], [name], tmp_path)
+
+
+# ---- re-runnable (issue 32, item 8) -----------------------------------------------------------------------------------
+def test_mutants_runs_twice_each_run_in_its_own_folder_with_the_link_moved(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default link is reports/out/mutants, relative as in `make mutants`
+    argv = ["mutants", "--suite", "smoke", "--case-id", BSHD_WINDOW.id, "--mutant", "sink_dropped_forward",
+            "--no-report", "--quiet"]
+    link = tmp_path / "reports" / "out" / "mutants"
+    folders = []
+    for _ in range(2):
+        assert main(argv) == 0, capsys.readouterr()
+        assert capsys.readouterr().out.strip().splitlines()[-1] == "mutants: 1/1 killed"
+        assert link.is_symlink()
+        folders.append(link.resolve())
+        assert (folders[-1] / "results.jsonl").is_file() and (folders[-1] / "mutants.jsonl").is_file()
+        assert not (folders[-1] / ".lock").exists()
+    assert folders[0] != folders[1] and folders[0].is_dir()  # the first run is kept, the link names the second
+    assert load_mutants(link).counts == {"killed": 1, "survived": 0, "unreachable": 0}
+
+
+def test_an_explicit_out_holding_a_run_is_refused_unless_forced(tmp_path, capsys):
+    """Negative control of the default: one plain directory cannot take two runs without --force."""
+    out = tmp_path / "mut"
+    argv = ["mutants", "--suite", "smoke", "--case-id", BSHD_WINDOW.id, "--mutant", "sink_dropped_forward",
+            "--no-report", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "Traceback" not in err
+    assert main(argv + ["--force"]) == 0
+    assert [r["status"] for r in map(json.loads, (out / "mutants.jsonl").read_text().splitlines())][:1] == ["killed"]

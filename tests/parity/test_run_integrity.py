@@ -125,9 +125,9 @@ def test_a_killed_run_is_latest_and_resume_continues_it(tmp_path, monkeypatch, c
     monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
     link = root / "latest"
     args = RUN + ["--out", str(link), "--make-default", "--no-report"]
-    monkeypatch.setattr("cli.main.new_run_id", lambda *a: "first")
+    monkeypatch.setattr("cli.run_command.new_run_id", lambda *a: "first")
     assert main(args) == 0  # a complete older run
-    monkeypatch.setattr("cli.main.new_run_id", lambda *a: "second")
+    monkeypatch.setattr("cli.run_command.new_run_id", lambda *a: "second")
     import parity.runner as runner
 
     real, calls = runner.execute, []
@@ -199,17 +199,19 @@ def test_an_existing_run_directory_is_refused_without_resume_or_force(whole, tmp
     assert not (out / "index.html").exists() and case_ids(out) == list(TINY)
 
 
-def test_a_second_writer_is_refused_while_the_lock_is_held(tmp_path, capsys):
+def test_a_second_writer_is_refused_while_the_lock_is_held(whole, tmp_path, capsys):
     from parity.rundir import prepare
 
     out = tmp_path / "r"
-    held = prepare(out, resume=False)
+    assert main(RUN + ["--out", str(out), "--budget-s", "0.001"]) == 1  # a recorded run with cases left to run
+    held = prepare(out, resume=True)
     try:
         assert main(RUN + ["--out", str(out), "--resume"]) == 2
         assert "another dsv4-parity run" in capsys.readouterr().err
     finally:
         held.close()
     assert main(RUN + ["--out", str(out), "--resume"]) == 0  # released: negative control
+    assert agree(whole, out)
 
 
 # ---- 6. user-caused conditions: one line, non-zero, before the first case -----------------------------------------
@@ -340,17 +342,17 @@ def test_out_directory_rules_are_unchanged(tmp_path, monkeypatch):
 
 
 def test_a_case_that_cannot_fit_in_memory_is_refused_up_front_with_its_estimate(tmp_path, capsys, monkeypatch):
-    from parity import usage
+    from parity import memory
 
     case = pick(dtype="float32", layout="bshd", ratio="0")
-    need = 2 * usage.input_bytes(case)
-    monkeypatch.setattr(usage, "host_available_bytes", lambda: need - 1)
+    need = sum(memory.working_set(case).values())
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: need - 1)
     out = tmp_path / "r"
     assert main(["run", "--case", case.to_json(), "--impl", "reference", "--quiet", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: case:") and case.id in err and "GiB" in err and len(err.splitlines()) == 1
     assert not (out / "results.jsonl").exists()
-    monkeypatch.setattr(usage, "host_available_bytes", lambda: need)  # negative control: it fits exactly
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: need)  # negative control: it fits exactly
     assert main(["run", "--case", case.to_json(), "--impl", "reference", "--quiet", "--out", str(out)]) == 0
 
 

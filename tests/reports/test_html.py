@@ -178,3 +178,51 @@ def test_incomplete_runs_say_why(tmp_path, end, banner):
         assert banner in text
         if end:
             assert "5 of the selected cases" in text
+
+
+# ---- "Tensors by class": what failed in that class (issue 32, item 5) ---------------------------------------------
+def class_table_cells(text: str) -> dict[str, dict[str, str]]:
+    """``{class: {column: cell text}}`` of the page's "Tensors by class" table."""
+    table = text.split('id="class-table"', 1)[1].split("</table>", 1)[0]
+    head = [re.sub(r"<[^>]+>", "", h) for h in re.findall(r"<th[^>]*>(.*?)</th>", table)]
+    out = {}
+    for row in re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>", 1)[1], flags=re.S):
+        cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)]
+        out[cells[0]] = dict(zip(head, cells))
+    return out
+
+
+def failed_in_class(rows: list[dict]) -> dict[str, int]:
+    """Failed cases with a failing tensor of each class, from the stream itself."""
+    outcome = {r["case_id"]: r["outcome"] for r in rows if r["type"] == "case"}
+    hit = {(r["tensor_class"], r["case_id"]) for r in rows
+           if r["type"] == "tensor" and r["verdict"] == "fail" and outcome[r["case_id"]] == "fail"}
+    classes = {r["tensor_class"] for r in rows if r["type"] == "tensor"}
+    return {k: sum(1 for c, _ in hit if c == k) for k in classes}
+
+
+def test_cases_fail_counts_what_failed_in_each_class(tmp_path, monkeypatch):
+    rows = rows_of(n_cases=40, fail_every=7, error_every=0, unsupported_every=0)
+    expected = failed_in_class(rows)
+    failed_cases = sum(r["type"] == "case" and r["outcome"] == "fail" for r in rows)
+    assert failed_cases >= 4 and sum(expected.values()) == failed_cases  # one failing tensor per failed case
+    assert any(n == 0 for n in expected.values())  # some class failed nowhere: it must not look failed
+    text = render_run(write_rows(rows, tmp_path / "new"), baseline=None, csv=False).html.read_text()
+    cells = class_table_cells(text)
+    assert {k: int(v["cases fail"]) for k, v in cells.items()} == expected
+    holding = {k: len({r["case_id"] for r in rows if r["type"] == "tensor" and r["tensor_class"] == k})
+               for k in expected}
+    assert {k: int(v["cases pass"]) for k, v in cells.items()} == {
+        k: holding[k] - expected[k] for k in expected}
+
+    # negative control: the table as it was (failed cases *holding* the class) does not pass this check
+    from reports import summary
+
+    def holding_failed(table):
+        out = summary.outcome_by_class(None, table).rename(columns={"pass": "cases_pass", "fail": "cases_fail"})
+        return out.assign(cases_known=0)[["tensor_class", "cases_pass", "cases_fail", "cases_known"]]
+
+    monkeypatch.setattr("reports.html.class_cases", holding_failed)
+    old = class_table_cells(render_run(write_rows(rows, tmp_path / "old"), baseline=None, csv=False)
+                            .html.read_text())
+    assert {k: int(v["cases fail"]) for k, v in old.items()} != expected
