@@ -32,7 +32,6 @@ from cases.tensors import (FP32_PARAMETERS, CaseTensors, initial_value, input_sh
                            parameter_shapes)
 
 from bench.flops import KeyCounts, key_counts, total_flops
-from bench.vocabulary import LAYOUTS, LOSSES
 
 
 

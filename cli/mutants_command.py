@@ -47,6 +47,13 @@ def out_dir_of(out: Optional[str], run_id: str) -> tuple[Path, Optional[Path]]:
     return target, link
 
 
+def megatron_mutants(args: argparse.Namespace) -> int:
+    """``mutants --impl megatron``: :func:`parity.megatron_mutants.main`, imported when it runs (it loads torch)."""
+    from parity.megatron_mutants import main
+
+    return main(args)
+
+
 def _render_report(out_dir: Path) -> Optional[str]:
     """index.html of the run directory (kill matrix included), best effort; returns a note on failure."""
     from cli.report_command import render_run
@@ -67,7 +74,6 @@ FUSED_ONLY = (("suite", None, "--suite"), ("case", [], "--case"), ("case_id", []
 
 def cmd_mutants(args: argparse.Namespace) -> int:
     from parity import mutants
-    from parity.megatron_mutants import main as megatron_mutants
     from parity.mutation_suite import mutation_suite
     from parity.runner import new_run_id
 

@@ -160,6 +160,7 @@ def _child(tree: str, jobs: list, plan: dict) -> list:
     cases of ``plan["suite"]`` on ``plan["device"]``; ``plan["stand_in_capability"]`` (the CPU preview of a GPU
     plan) is the device capability the emulated provider declares."""
     os.environ["DSV4_MEGATRON"] = tree
+    os.environ.pop("DSV4_MEGATRON_ORIGIN", None)  # the scratch copy is this variable's, not the user's --megatron
     configure_torch()
     if plan.get("stand_in_capability"):  # the CPU preview of a GPU plan
         emulated.DEVICE_CAPABILITY = tuple(plan["stand_in_capability"])

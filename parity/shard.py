@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
 from cases.case import Case
-from cases.errors import CaseError
 from cases.tensors import DRAW_THREADS_ENV
 
 from .usage import parse_workers

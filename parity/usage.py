@@ -47,7 +47,9 @@ def check_run_options(args: argparse.Namespace) -> None:
     _positive(args, "budget_s", "--budget-s", "a positive number of seconds")
     _positive(args, "timeout", "--timeout", "a positive number of seconds")
     _positive(args, "limit", "--limit", "at least 1")
-    _positive(args, "threads", "--threads", "at least 1")
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:  # the field name the runner used for it (parity.runner.run)
+        raise CaseError("threads", f"must be a positive integer, got {threads}")
     parse_workers(getattr(args, "workers", None))
     if getattr(args, "policy", None):
         try:
