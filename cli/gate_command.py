@@ -30,14 +30,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from cases.errors import CaseError
-from parity.impls import ImplError, load
-from parity.runner import new_run_id, point_link, resolve_out_dir
 
 from cli.options import add_implementation_options, add_output_options, add_selection_options
-from reports.baselines import BASELINES_ROOT
-from reports.errors import ReportError
-from reports.gate import (INDEX, judge, parse_baselines, print_summary, read_manifest, title_of, write_index,
-                          write_manifest)
+
+# The parser needs none of the engine: torch, the implementations and the report views load when the gate runs.
 
 #: gate-only options (not passed to the runs) and whether each takes a value; then the run options set per path.
 GATE_OPTIONS = {"--paths": True, "--baseline": True, "--with-oracle": True, "--baselines-dir": True}
@@ -62,7 +58,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                            "pairs")
     gate.add_argument("--with-oracle", action="append", default=[], metavar="NAME",
                       help="also run metamorphic oracle NAME on the fused composition, smoke suite (repeatable)")
-    gate.add_argument("--baselines-dir", type=Path, default=BASELINES_ROOT, help=argparse.SUPPRESS)
+    gate.add_argument("--baselines-dir", type=Path, default=None, help=argparse.SUPPRESS)  # None: the committed
     gate.set_defaults(func=gate_command)
 
 
@@ -94,6 +90,8 @@ def paths_of(args: argparse.Namespace) -> list[str]:
         if not names or len(set(names)) != len(names):
             raise CaseError("paths", f"expected distinct providers, e.g. unfused,emulated; got {args.paths!r}")
         return names
+    from parity.impls import load
+
     return load(args.impl).gate_paths(args.provider)
 
 
@@ -120,7 +118,13 @@ def _merge_junit(parts: list[tuple[str, Path]], target: Path) -> None:
 
 def gate_command(args: argparse.Namespace) -> int:
     from cli.report_command import _console  # noqa: PLC0415
+    from parity.impls import ImplError
+    from parity.runner import point_link
+    from reports.baselines import BASELINES_ROOT
+    from reports.errors import ReportError
+    from reports.gate import INDEX, judge, parse_baselines, print_summary, title_of, write_index, write_manifest
 
+    baselines_root = args.baselines_dir if args.baselines_dir is not None else BASELINES_ROOT
     tokens = list(getattr(args, "argv", sys.argv[1:]))
     tokens = tokens[1:] if tokens and tokens[0] == "gate" else tokens
     try:
@@ -169,7 +173,7 @@ def gate_command(args: argparse.Namespace) -> int:
 
     console = _console()
     verdicts = [judge("path", name, out_dir / name if multi else out_dir, baselines[name], console=console,
-                      baselines_root=args.baselines_dir) for name in names]
+                      baselines_root=baselines_root) for name in names]
     verdicts += [judge("oracle", f"{oracle} (fused, smoke)", target) for oracle, target in oracle_dirs]
     title = title_of(manifest)
     report = write_index(out_dir, verdicts, title=title) if multi else out_dir / INDEX
@@ -179,6 +183,10 @@ def gate_command(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace, tokens: list[str]) -> tuple[Path, Optional[Path], dict, list[str]]:
     """``(out_dir, link to move or None, manifest, path names)``; a resumed gate reads them back."""
+    from parity.impls import load
+    from parity.runner import new_run_id, resolve_out_dir
+    from reports.gate import read_manifest
+
     if args.resume:
         if not args.out:
             raise CaseError("resume", "needs --out DIR, the gate directory (or run directory) to continue")
