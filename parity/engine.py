@@ -45,7 +45,7 @@ from cases.coverage import features
 from cases.tensors import materialize
 
 from . import api_check, backward_origin, padding_dout
-from . import known
+from . import known, known_models
 from . import policy as policy_mod
 from . import sign_split, structure, verdict
 from .impls import Implementation, is_unsupported, policy_provider
@@ -150,33 +150,83 @@ class _PhaseClock:
 def run_case(case: Case, impl: Implementation, against: Implementation, options: RunOptions,
              policy: Optional[policy_mod.Policy] = None) -> CaseResult:
     """Compare ``impl`` with ``against`` on ``case``; never raises for a problem of the case or the implementations.
-    A failure that the implementation's registry of known deviations explains becomes ``known``; a registered
-    deviation that did not reproduce is flagged ``fixed?`` (:mod:`parity.known`)."""
-    result = _decide_case(case, impl, against, options, policy)
+    Where an entry of the implementation's registry of known deviations matches the case, the case is judged again
+    against the entry's deviation model: ``known`` where the implementation matches it, ``fail`` (naming the entry
+    and the distance to both) where it matches neither, ``fixed?`` where it now matches the contract; a crash is
+    ``known`` only by the exception type and production's raising frame (:mod:`parity.known`)."""
+    result, runs, raised = _decide_case(case, impl, against, options, policy)
     entries = known.registry_for(impl)
     if entries:
         try:
-            known.apply(result, entries, impl.provider_name(impl.resolve_provider(options.provider)),
-                        known.architecture(options.torch_device()), str(impl.describe().get("revision", "")))
+            provider = impl.resolve_provider(options.provider)
+            info = impl.describe(provider)
+            known.apply(result, entries, impl.provider_name(provider),
+                        info.get("architecture") or known.architecture(options.torch_device()),
+                        str(info.get("upstream_revision") or info.get("revision") or ""), runs=runs, raised=raised)
         except Exception as exc:  # noqa: BLE001 — a broken registry is reported, never hides the verdict
             result.message += f" [known-deviation registry: {one_line(exc)}]"
     return result
 
 
+@dataclass
+class CaseRuns:
+    """The runs a case was judged on, kept so that :func:`parity.known.apply` can judge it again against a known
+    deviation's model (:mod:`parity.known_models`): the tensors, the implementation's snapshot (and its run with
+    ``dO`` on padding rows only, ``contract``), the reference's truth and noise, and how they were compared."""
+
+    case: Case
+    against: Implementation
+    tensors: object
+    impl: object
+    truth: object
+    noise: object
+    contract: object  # the implementation's padding-dO-only snapshot, or None (dO is 0 on every padding row)
+    split: Optional[torch.Tensor]
+    precision: str
+    policy: policy_mod.Policy
+    provider: str  # the policy's provider key
+    tie_rule: str
+
+    def reference(self, tensors, with_loss: bool = True) -> tuple:
+        """``(truth, noise)`` of the reference on other ``tensors`` (the implementation's top-k, no sign-split)."""
+        truth, noise, _ = reference_runs(self.case, self.against, tensors, self.split, None, self.precision,
+                                         with_loss=with_loss)
+        return truth, noise
+
+    def judge(self, expect) -> tuple:
+        """``(tensor results, top-k report, outcome, decided_by, first_failure, message)`` of the implementation
+        against ``expect`` (a :class:`parity.known_models.Expectation`; the contract's is ``truth`` / ``noise``)."""
+        problems = structure.check(self.case, self.tensors, self.impl, expect.noise, expect.truth,
+                                   padding_grads=expect.padding_grads)
+        case_problems = problems.pop("*", [])
+        out, report = verdict.judge_case_tensors(self.case, self.tensors, self.impl, expect.truth, expect.noise,
+                                                 problems, self.policy, self.provider, self.tie_rule, self.precision,
+                                                 padding_grads=expect.padding_grads)
+        if self.contract is not None:
+            if expect.contract is None:
+                out.append(verdict.contract_tensor(padding_dout.leaks(self.contract)))
+            else:
+                out.append(verdict.contract_tensor_modelled(self.contract, *expect.contract, self.policy,
+                                                            self.provider, self.precision))
+        return (out, report) + verdict.case_decision(out, case_problems)
+
+
 def _decide_case(case: Case, impl: Implementation, against: Implementation, options: RunOptions,
-                 policy: Optional[policy_mod.Policy] = None) -> CaseResult:
+                 policy: Optional[policy_mod.Policy] = None) -> tuple:
+    """``(result, runs, raised)``: the case judged against the contract; the :class:`CaseRuns` it was judged on (None
+    when it did not get that far) and, for an exception, :func:`parity.known.raised` of it (else None)."""
     policy = policy or (policy_mod.load(options.policy_path) if options.policy_path else policy_mod.default())
     start = time.perf_counter()
     provider = impl.resolve_provider(options.provider)
     result = CaseResult(case=case, outcome="error", decided_by="error", repro=options.repro(case),
                         features=features(case))
 
-    def finish(outcome: str, decided_by: str, message: str) -> CaseResult:
+    def finish(outcome: str, decided_by: str, message: str, runs=None, raised=None) -> tuple:
         result.outcome, result.decided_by, result.message = outcome, decided_by, message
         if outcome == "error":
             result.first_failure = {"tensor": None, "rule": "error", "message": message}
         result.duration_s = time.perf_counter() - start
-        return result
+        return result, runs, raised
 
     device = options.torch_device()
     if case.device == "cuda" and device != "cuda" and options.device == "auto":  # an explicit --device overrides
@@ -190,13 +240,12 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
         with clock("impl"):
             impl_run = (tensors, True)  # what the impl stage ran, for locating a backward error (backward_origin)
             impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
-            contract_leaks = None
+            contract_snap = None
             if padding_dout.padding_dout_nonzero(tensors):
                 stage = f"{impl.name} run with dO on padding rows only"
                 impl_run = (padding_dout.padding_dout_only(tensors), False)
-                contract_leaks = padding_dout.leaks(take_snapshot(impl.api, case, impl_run[0],
-                                                                  context=impl.context(provider, options.require),
-                                                                  with_loss=False))
+                contract_snap = take_snapshot(impl.api, case, impl_run[0],
+                                              context=impl.context(provider, options.require), with_loss=False)
         result.plan = impl_snap.record or {}
         stage, pattern = f"{impl.name} activation pattern", None
         if sign_split.applies(case):
@@ -223,18 +272,15 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
             origin = _backward_origin(impl, case, impl_run, provider, options)
             if origin:  # the implementation's frame first: whose code raised it
                 where = f"{origin}, in its backward; raised under {where}"
-        return finish("error", "error", f"{stage}: {one_line(exc)}" + (f" [{where}]" if where else ""))
+        return finish("error", "error", f"{stage}: {one_line(exc)}" + (f" [{where}]" if where else ""),
+                      raised=known.raised(exc) if stage.startswith(impl.name) else None)
 
+    runs = CaseRuns(case, against, tensors, impl_snap, truth, noise, contract_snap, impl_snap["topk_indices"],
+                    precision, policy, policy_provider(impl_snap.record, provider), impl.tie_rule(impl_snap.record))
     try:
         with clock("compare"):
-            problems = structure.check(case, tensors, impl_snap, noise, truth)
-            case_problems = problems.pop("*", [])
-            tensors_out, report = verdict.judge_case_tensors(case, tensors, impl_snap, truth, noise, problems,
-                                                             policy, policy_provider(impl_snap.record, provider),
-                                                             impl.tie_rule(impl_snap.record), precision)
-            if contract_leaks is not None:
-                tensors_out.append(verdict.contract_tensor(contract_leaks))
-            outcome, decided_by, first, message = verdict.case_decision(tensors_out, case_problems)
+            tensors_out, report, outcome, decided_by, first, message = runs.judge(
+                known_models.Expectation.of_contract(truth, noise))
     except Exception as exc:  # noqa: BLE001 — a comparison crash is the harness's error, reported as such
         return finish("error", "error", f"comparison: {one_line(exc)} [{_where(exc)}]")
     result.tensors, result.first_failure = tensors_out, first
@@ -251,7 +297,7 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
         result.first_failure = {"tensor": None, "rule": "require", "message": message}
     if note and outcome == "fail":
         message += f" [{note}]"
-    return finish(outcome, decided_by, message)
+    return finish(outcome, decided_by, message, runs=runs if decided_by != "require" else None)
 
 
 def observe_pattern(case: Case, impl: Implementation, tensors, provider: str, options: RunOptions,
@@ -268,12 +314,13 @@ def observe_pattern(case: Case, impl: Implementation, tensors, provider: str, op
 
 
 def reference_runs(case: Case, against: Implementation, tensors, split: Optional[torch.Tensor],
-                   pattern: Optional[sign_split.Pattern] = None, precision: Optional[str] = None) -> tuple:
+                   pattern: Optional[sign_split.Pattern] = None, precision: Optional[str] = None, *,
+                   with_loss: bool = True) -> tuple:
     """``(truth, noise, note)`` in split mode (and sign-split with ``pattern``). A selection the reference cannot
     even consume (malformed ids, which the structure rule reports) falls back to the reference's own selection, so
     the other tensors are still compared; ``note`` then says so (else it is empty). ``precision`` below the case
     dtype (an implementation's declared working precision): the noise run is the reference on the case tensors
-    rounded to it."""
+    rounded to it. ``with_loss=False``: the gradients of ``sum(out · dO)`` alone."""
     note = ""
     context = contextlib.nullcontext
     if pattern is not None:
@@ -281,20 +328,22 @@ def reference_runs(case: Case, against: Implementation, tensors, split: Optional
         if context is None:
             context, note = contextlib.nullcontext, f"{against.name} has no sign-split hook"
     try:
-        truth = take_snapshot(against.api, case, tensors, upcast=True, topk_indices=split, context=context)
+        truth = take_snapshot(against.api, case, tensors, upcast=True, topk_indices=split, context=context,
+                              with_loss=with_loss)
     except Exception as exc:  # noqa: BLE001
         if split is None:
             raise
         split = None
         note = "; ".join(filter(None, (note, f"split mode impossible ({one_line(exc)}); compared with the "
                                              f"reference's own selection")))
-        truth = take_snapshot(against.api, case, tensors, upcast=True, context=context)
+        truth = take_snapshot(against.api, case, tensors, upcast=True, context=context, with_loss=with_loss)
     if precision and precision != case.dtype:
         cast = {"float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
-        noise = take_snapshot(against.api, case, tensors, topk_indices=split, cast=cast, context=context)
+        noise = take_snapshot(against.api, case, tensors, topk_indices=split, cast=cast, context=context,
+                              with_loss=with_loss)
     else:
         noise = truth if case.dtype == "float64" else take_snapshot(against.api, case, tensors, topk_indices=split,
-                                                                    context=context)
+                                                                    context=context, with_loss=with_loss)
     return truth, noise, note
 
 

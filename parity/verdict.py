@@ -173,15 +173,18 @@ class _RealRows:
 
 def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: Snapshot, noise: Snapshot,
                        problems: dict, policy: Policy, provider: str,
-                       tie_rule: str = "arbitrary", precision: Optional[str] = None
+                       tie_rule: str = "arbitrary", precision: Optional[str] = None, *, padding_grads: bool = False
                        ) -> tuple[list, Optional[topk_protocol.TopkReport]]:
     """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer).
 
     ``tie_rule``: the implementation's declared top-k tie rule (:data:`parity.topk.TIE_RULES`). ``precision``: the
     dtype the implementation declares it computes the case in (default the case dtype); the tolerances, ULP floor
-    and tie margins are that dtype's (the noise run was made in it)."""
+    and tie margins are that dtype's (the noise run was made in it). ``padding_grads``: the expected input gradients
+    are non-zero on padding rows (a known deviation's model, :mod:`parity.known_models`): they are compared on every
+    row."""
     mask = tensors.real_rows.cpu()
     real = _RealRows(mask)
+    every = _RealRows(torch.ones_like(mask)) if padding_grads else real
     precision = precision or case.dtype
     results, report = [], None
     for name in dict.fromkeys(truth.names + impl.names):
@@ -202,7 +205,8 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
             rep = _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule, precision)
             report = rep if name == "topk_indices" else report  # the case row's summary: the layer's selection
             continue
-        ar, rr, pr = _restrict(name, a, real), _restrict(name, r, real), _restrict(name, p, real)
+        row_set = every if padding_grads and name.startswith("grad/") else real
+        ar, rr, pr = _restrict(name, a, row_set), _restrict(name, r, row_set), _restrict(name, p, row_set)
         nan = torch.isnan(ar).sum()
         if role(name) == "index_scores":  # compare where causally valid (the -inf pattern is a structure rule)
             keep = torch.isfinite(rr).reshape(-1).nonzero().squeeze(1)  # one sync for the three tensors
@@ -213,7 +217,7 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
         dtype = DTYPES[precision]  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
         verdict, rule, rows, msg = judge_numeric(name, cls, ar, rr, pr, dtype, tol, policy.scalar_numel, nan, inf)
         if verdict == "fail":
-            msg += where_worst(case, name, a, r, mask if is_row_tensor(name) else None)
+            msg += where_worst(case, name, a, r, row_set.mask if is_row_tensor(name) else None)
         results.append(TensorResult(**base, verdict=verdict, rule=rule, message=msg, metrics=rows))
     return results, report
 
@@ -254,6 +258,43 @@ def contract_tensor(leaks: list) -> TensorResult:
             MetricRow("max_abs", max((size for _, _, size in leaks), default=0.0))]
     return TensorResult(TENSOR, "contract", "none", [], "fail" if leaks else "pass", "contract",
                         verdict_message(leaks), rows)
+
+
+def contract_tensor_modelled(impl: Snapshot, truth: Snapshot, noise: Snapshot, policy: Policy, provider: str,
+                             precision: str) -> TensorResult:
+    """Tensor ``contract/padding_dout`` against a known deviation's model of the padding-dO-only run
+    (:mod:`parity.known_models`): a gradient the model expects (non-zero in ``truth``) is judged like the main run's
+    gradients (rules 2-4 on the whole tensor, ``noise`` the same-dtype reference); every other gradient must be
+    exactly 0 (or absent), as under the contract."""
+    leaks, off, compared = [], [], 0
+    for name in dict.fromkeys([n for n in impl.names if n.startswith("grad/")] + truth.names):
+        a, r = impl[name], truth[name]
+        if r is None or not bool((r != 0).any()):
+            if a is not None and bool((a.detach() != 0).any()):
+                nonzero = a.detach() != 0
+                leaks.append((name, int(nonzero.sum()),
+                              float(a.detach().double().abs().nan_to_num(float("inf")).max())))
+            continue
+        compared += 1
+        if a is None:
+            off.append(f"{name}: missing (the model expects a gradient)")
+            continue
+        p = noise[name] if noise[name] is not None else r
+        cls = tensor_class(name)
+        ar, rr, pr = metrics.upcast(a), metrics.upcast(r), metrics.upcast(p)
+        verdict, _, _, msg = judge_numeric(name, cls, ar, rr, pr, DTYPES[precision],
+                                           policy.tolerance(cls, precision, provider), policy.scalar_numel,
+                                           torch.isnan(ar).sum(), torch.isinf(ar).sum())
+        if verdict == "fail":
+            off.append(msg)
+    rows = [MetricRow("leaking_gradients", float(len(leaks)), 0.0, not leaks),
+            MetricRow("modelled_gradients", float(compared)),
+            MetricRow("mismatched_gradients", float(len(off)), 0.0, not off),
+            MetricRow("nonzero_elements", float(sum(n for _, n, _ in leaks))),
+            MetricRow("max_abs", max((size for _, _, size in leaks), default=0.0))]
+    message = verdict_message(leaks) if leaks else (f"{TENSOR}: {off[0]}" + (f" (+{len(off) - 1} more gradients)"
+                                                                             if len(off) > 1 else "") if off else "")
+    return TensorResult(TENSOR, "contract", "none", [], "fail" if leaks or off else "pass", "contract", message, rows)
 
 
 def case_decision(tensor_results: list, case_problems: list) -> tuple[str, str, Optional[dict], str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import io
 import logging
 import warnings
@@ -137,8 +138,9 @@ def run_context(provider: str, config, like: torch.Tensor, training: bool) -> It
 
 
 def describe(provider: Optional[str] = None) -> dict:
-    """For the run row: Megatron's revision, where it came from, the provider and every stand-in it uses (the
-    real kernels' versions with ``cudnn``)."""
+    """For the run row: Megatron's revision (and ``upstream_revision``, the upstream commit it is: what the
+    known-deviation registry's revision ranges name), where it came from, the provider and every stand-in it uses
+    (the real kernels' versions with ``cudnn``; with ``emulated`` the ``architecture`` it declares to production)."""
     mg = megatron()
     name = provider_name(provider or current())
     used = list(mg.standins)
@@ -146,19 +148,30 @@ def describe(provider: Optional[str] = None) -> dict:
         used.append("plain-linear (no TransformerEngine)")
     used.append("process-group (1-rank gloo)")
     used.append("no-weight-init (perform_initialization=False: every parameter is the case's own, by name)")
+    declared = {}
     if not torch.cuda.is_available():
         used.append("cpu-device (torch.cuda.current_device)")
     elif name == "unfused" and gather_backward.enabled():
         used.append(gather_backward.NOTE)
     if name == "emulated":
-        from .emulated import STANDINS  # noqa: PLC0415
+        from . import emulated  # noqa: PLC0415
 
-        used += [f"emulated: {note}" for note in STANDINS]
+        used += [f"emulated: {note}" for note in emulated.STANDINS]
+        major, minor = emulated.DEVICE_CAPABILITY  # the capability production's code reads (its branches follow it)
+        declared = {"architecture": f"sm{major}{minor}"}
     if name == "cudnn":
         used += [f"cudnn: {note}" for note in real_kernels.STANDINS]
-    return {"revision": mg.source.revision, "megatron_root": str(mg.source.root),
-            "megatron_origin": mg.source.origin, "provider": name, "standins": used, "te": mg.has_te,
+    return {"revision": mg.source.revision, "upstream_revision": _upstream(mg.source),
+            "megatron_root": str(mg.source.root), "megatron_origin": mg.source.origin, "provider": name,
+            "standins": used, "te": mg.has_te, **declared,
             **({"kernels": real_kernels.versions()} if name == "cudnn" else {})}
+
+
+@functools.lru_cache(maxsize=None)
+def _upstream(src) -> Optional[str]:
+    from .source import upstream_revision  # noqa: PLC0415
+
+    return upstream_revision(src)
 
 
 def provider_name(provider: str) -> str:

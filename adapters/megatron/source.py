@@ -111,6 +111,30 @@ def git_revision(root: Path) -> Optional[str]:
     return text if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", text) else None
 
 
+#: the trailer a commit of the offline history bundle carries: the upstream Megatron-LM commit it reproduces
+UPSTREAM_TRAILER = "Upstream-Commit"
+
+
+def upstream_revision(source: MegatronSource) -> Optional[str]:
+    """The upstream Megatron-LM commit of ``source`` (hex; what the known-deviation registry records, see
+    ``parity/known.py``): the id in a snapshot's name (``snapshot megatron-lm-dev-d48bd6be0a`` -> ``d48bd6be0a``);
+    for a git checkout the ``Upstream-Commit:`` trailer of its HEAD (a commit of the offline history bundle), else
+    HEAD itself (an upstream clone); None for a tree that is neither."""
+    snap = re.fullmatch(r"snapshot .*-([0-9a-f]{7,40})", source.revision)
+    if snap:
+        return snap.group(1)
+    if not re.fullmatch(r"[0-9a-f]{40}", source.revision):
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(source.root), "log", "-1",
+                              f"--format=%(trailers:key={UPSTREAM_TRAILER},valueonly)"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return source.revision
+    found = re.findall(r"[0-9a-f]{40}", out.stdout) if out.returncode == 0 else []
+    return found[0] if found else source.revision
+
+
 def check_checkout(root: Path, origin: str) -> Path:
     """``root`` (or its ``Megatron-LM`` parent layout) as a tree holding the DSv4 files; else a clear error."""
     root = root.expanduser()
