@@ -1,8 +1,10 @@
 """Real-code mutants: planted bugs applied as text patches to a scratch copy of Megatron-LM (never the user's tree),
 each run in a fresh process (Python imports ``megatron`` once) with ``--impl megatron`` on the cases that reach it.
 
-A mutant is **killed** when, on every provider that executes its code, a case that passes on the clean tree fails or
-errors with the patch applied (``known`` is not a kill: a registered deviation is not the planted bug).
+A mutant is **killed** when, on every provider that executes its code, a case that is clean on the clean tree fails or
+errors with the patch applied (``known`` is not a kill: a registered deviation is not the planted bug). Clean is
+``pass``, or ``known``: production matching a registered deviation's model (:mod:`parity.known`), so a planted bug on a
+registered tensor is caught by the model, not hidden by the registration.
 ``dsv4-parity mutants --impl megatron`` prints one line per mutant and ends with ``mutants: K/N killed``; it exits 0
 iff every mutant was killed. A patch that no longer applies (upstream moved the line) is reported, never silently
 skipped.
@@ -30,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from adapters.megatron import emulated, real_kernels
-from adapters.megatron.source import MegatronSourceError, locate
+from adapters.megatron.source import MegatronSourceError, locate, record_revision
 from cases.suites import load_suite
 from parity.engine import RunOptions, configure_torch, run_case
 from parity.impls import load
@@ -126,7 +128,18 @@ MUTANTS: tuple[Mutant, ...] = (
            CSA, "indexer_loss_coeff = self.config.dsa_indexer_loss_coeff or 0.0",
            "indexer_loss_coeff = 1.0", ("emulated",),
            ("9a8dbea368d1", "45aaf0ad85c7"), nth=0, gpu_cases=("8d3fa957d2e2",)),
+    # ---- on a registered deviation's tensors: the cases are ``known`` on the clean tree (the entry's model holds) ---
+    Mutant("fused_mean_loss_extra_scale", "fused sparse indexer loss: 10 % on top of the registered mean over every "
+           "packed row (fused-thd-mean-loss-over-physical-rows: its model, not its tensor names, must catch it)",
+           FUSED, "    loss = kl_per_row.sum() if calculate_per_token_loss else kl_per_row.mean()\n"
+                  "    return loss_coeff * loss\n",
+           "    loss = kl_per_row.sum() if calculate_per_token_loss else kl_per_row.mean() * 1.1\n"
+           "    return loss_coeff * loss\n",
+           ("emulated",), ("f2ceea9c0311", "339801b464f2"), nth=0, gpu_cases=("ff44cb580cf3",)),
 )
+
+#: clean-tree outcomes a kill can start from (``known``: production matches the registered deviation's model)
+CLEAN = ("pass", "known")
 
 
 class PatchError(RuntimeError):
@@ -148,9 +161,11 @@ def apply(root: Path, mutant: Mutant) -> None:
 
 
 def scratch_copy(root: Path, into: Path) -> Path:
-    """A copy of ``root``'s ``megatron/`` package (the user's tree is never written)."""
+    """A copy of ``root``'s ``megatron/`` package (the user's tree is never written), recording ``root``'s revision:
+    the copy is that revision plus the planted bug, so the known-deviation entries registered there apply to it."""
     target = into / "megatron-scratch"
     shutil.copytree(root / "megatron", target / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    record_revision(target, root)
     return target
 
 
@@ -290,8 +305,8 @@ def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=pri
         clean_jobs = sorted({job for m in chosen for job in plan.jobs(m)})
         clean = {(r["provider"], r["case_id"]): r
                  for r in (run_child(source_root, clean_jobs, plan.child()) if clean_jobs else [])}
-        not_clean = [f"{p}/{c}: {r['outcome']}" for (p, c), r in clean.items() if r["outcome"] != "pass"]
-        echo(f"clean: {len(clean) - len(not_clean)}/{len(clean)} (provider, case) runs pass"
+        not_clean = [f"{p}/{c}: {r['outcome']}" for (p, c), r in clean.items() if r["outcome"] not in CLEAN]
+        echo(f"clean: {len(clean) - len(not_clean)}/{len(clean)} (provider, case) runs pass or are known"
              + (f"; not clean (cannot kill): {', '.join(not_clean)}" if not_clean else ""))
         outcomes = []
         for mutant in chosen:
@@ -313,7 +328,7 @@ def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=pri
                 outcomes.append(Outcome(mutant.name, "not applied", message=str(exc)))
                 tell(outcomes[-1])
                 continue
-            jobs = [job for job in plan.jobs(mutant) if clean[job]["outcome"] == "pass"]
+            jobs = [job for job in plan.jobs(mutant) if clean[job]["outcome"] in CLEAN]
             if not jobs:
                 outcomes.append(Outcome(mutant.name, "no clean case"))
             else:
@@ -325,7 +340,7 @@ def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=pri
 
 
 def _judge(mutant: Mutant, providers: Sequence[str], jobs: list, results: list) -> Outcome:
-    """Killed when, on every provider, some case that passes on the clean tree fails or errors."""
+    """Killed when, on every provider, some case that is clean (:data:`CLEAN`) on the clean tree fails or errors."""
     kills = {}
     for r in results:
         if r["outcome"] in ("fail", "error"):

@@ -14,6 +14,7 @@ A checkout is a directory holding ``megatron/core/transformer/experimental_atten
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -113,13 +114,51 @@ def git_revision(root: Path) -> Optional[str]:
 
 #: the trailer a commit of the offline history bundle carries: the upstream Megatron-LM commit it reproduces
 UPSTREAM_TRAILER = "Upstream-Commit"
+#: what a copy of a tree records of the tree it was copied from (``{"revision", "upstream"}``): the real-code
+#: mutants' scratch copies are that revision plus one planted bug
+REVISION_FILE = ".dsv4-parity-revision.json"
+
+
+def _recorded(root: Path) -> Optional[dict]:
+    try:
+        data = json.loads((root / REVISION_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("revision"), str) else None
+
+
+def _snapshot_revision(root: Path) -> Optional[str]:
+    """``snapshot <id>`` for a tree extracted from the pinned snapshot (``<cache>/<id>/<id>``)."""
+    if root.name.startswith("megatron-lm-") and root.parent.name == root.name:
+        return f"snapshot {root.name}"
+    return None
+
+
+def tree_revision(root: Path) -> Optional[str]:
+    """The revision of the tree at ``root``: a copy's recorded revision, its git HEAD, or the snapshot it was
+    extracted from (None when none is known)."""
+    root = Path(root)
+    return (_recorded(root) or {}).get("revision") or git_revision(root) or _snapshot_revision(root)
+
+
+def record_revision(copy: Path, original: Path) -> None:
+    """Write into ``copy`` the revision (and upstream commit) of the tree ``original`` it was copied from."""
+    revision = tree_revision(Path(original))
+    if revision is None:
+        return
+    upstream = upstream_revision(MegatronSource(Path(original), revision, "copy"))
+    (Path(copy) / REVISION_FILE).write_text(json.dumps({"revision": revision, "upstream": upstream}),
+                                            encoding="utf-8")
 
 
 def upstream_revision(source: MegatronSource) -> Optional[str]:
     """The upstream Megatron-LM commit of ``source`` (hex; what the known-deviation registry records, see
     ``parity/known.py``): the id in a snapshot's name (``snapshot megatron-lm-dev-d48bd6be0a`` -> ``d48bd6be0a``);
     for a git checkout the ``Upstream-Commit:`` trailer of its HEAD (a commit of the offline history bundle), else
-    HEAD itself (an upstream clone); None for a tree that is neither."""
+    HEAD itself (an upstream clone); a copy's recorded one; None for a tree that is none of these."""
+    recorded = _recorded(Path(source.root))
+    if recorded is not None and recorded.get("revision") == source.revision:
+        return recorded.get("upstream")
     snap = re.fullmatch(r"snapshot .*-([0-9a-f]{7,40})", source.revision)
     if snap:
         return snap.group(1)
@@ -158,14 +197,14 @@ def locate(path: Optional[str] = None) -> MegatronSource:
     """The Megatron-LM tree to test (see the module docstring for the order)."""
     if path:
         root = check_checkout(Path(path), "--megatron")
-        return MegatronSource(root, git_revision(root) or f"checkout {root} (not a git work tree)", "--megatron")
+        return MegatronSource(root, tree_revision(root) or f"checkout {root} (not a git work tree)", "--megatron")
     env = os.environ.get(ENV_PATH)
     if env:
         origin = os.environ.get(ENV_ORIGIN) or ENV_PATH
         if origin not in ("--megatron", ENV_PATH):
             origin = ENV_PATH
         root = check_checkout(Path(env), origin)
-        return MegatronSource(root, git_revision(root) or f"checkout {root} (not a git work tree)", origin)
+        return MegatronSource(root, tree_revision(root) or f"checkout {root} (not a git work tree)", origin)
     archive = find_snapshot()
     if archive is None:
         looked = ", ".join(str(d / SNAPSHOT_GLOB) for d in _snapshot_dirs())

@@ -46,6 +46,40 @@ def test_env_variable_is_checked_like_the_option(tmp_path, monkeypatch):
         source.locate()
 
 
+def _fake_tree(root: Path) -> Path:
+    for name in source.REQUIRED_FILES:
+        (root / source.VARIANT_DIR).mkdir(parents=True, exist_ok=True)
+        (root / source.VARIANT_DIR / name).write_text("")
+    return root
+
+
+def test_the_upstream_revision_of_a_snapshot_a_bundle_checkout_and_a_scratch_copy(tmp_path):
+    """What the known-deviation registry's revision ranges are matched against: the snapshot's id; a bundle
+    commit's ``Upstream-Commit:`` trailer (not the bundle's own sha); a mutant's scratch copy records the tree it
+    was copied from. Negative control: a plain directory has none."""
+    import subprocess
+
+    from parity import megatron_mutants as mutants
+
+    snap = _fake_tree(tmp_path / "megatron-lm-dev-d48bd6be0a" / "megatron-lm-dev-d48bd6be0a")
+    located = source.locate(str(snap))
+    assert located.revision == "snapshot megatron-lm-dev-d48bd6be0a"
+    assert source.upstream_revision(located) == "d48bd6be0a"
+    up = "12d3cc03e3fedf8bd6bd4ea2f1a6ead3c0eb8ffc"
+    repo = _fake_tree(tmp_path / "bundle")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", f"a commit\n\nUpstream-Commit: {up}"], check=True)
+    bundle = source.locate(str(repo))
+    assert bundle.revision != up and source.upstream_revision(bundle) == up
+    copy = mutants.scratch_copy(repo, tmp_path / "work")
+    copied = source.locate(str(copy))
+    assert copied.revision == bundle.revision and source.upstream_revision(copied) == up
+    plain = source.locate(str(_fake_tree(tmp_path / "plain")))
+    assert "not a git work tree" in plain.revision and source.upstream_revision(plain) is None
+
+
 def test_a_revision_with_a_different_api_is_a_clear_error():
     import types
 
