@@ -6,7 +6,7 @@ load it; ``bench --sections startup`` measures what that saves). ``run``, ``meta
 their work in :mod:`cli.run_command`; the other subcommands live beside it: ``cases`` / ``shrink``
 (:mod:`cli.cases_command`), ``report`` / ``compare`` (:mod:`cli.report_command`), ``gate`` (every
 production path in one gate, :mod:`cli.gate_command`), ``mutants`` (:mod:`cli.mutants_command`), ``bench`` (:mod:`cli.bench_command`), ``compare-runs``
-(:mod:`cli.compare_runs_command`), ``cache`` (:mod:`cli.cache_command`); each of those imports what its work needs
+(:mod:`cli.compare_runs_command`), ``cache`` (:mod:`cli.cache_command`), ``bisect`` (:mod:`cli.bisect_command`); each of those imports what its work needs
 when it runs.
 
 Exit codes: 0 all cases passed or were unsupported, 1 a case failed or errored, 2 a usage error (bad case JSON,
@@ -26,7 +26,7 @@ from cases.errors import CaseError
 from parity.names import ORACLE_SUMMARIES
 from parity.usage import check_run_options
 
-from cli import (bench_command, cache_command, cases_command, compare_runs_command, gate_command, mutants_command,
+from cli import (bench_command, bisect_command, cache_command, cases_command, compare_runs_command, gate_command, mutants_command,
                  report_command)
 from cli.options import (add_implementation_options, add_output_options, add_selection_options,
                          check_selection_options, given_options)
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=_later("cmd_calibrate"))
 
     for command in (cases_command, report_command, gate_command, mutants_command, bench_command,
-                    compare_runs_command, cache_command):
+                    compare_runs_command, cache_command, bisect_command):
         command.add_parsers(sub)
     return parser
 

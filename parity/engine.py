@@ -266,6 +266,11 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
+        own = impl.raised_in_own_code(exc) if stage.startswith(impl.name) else None
+        if own:  # the code under test raised on a valid case: its behaviour (a failure), not a harness error
+            result.first_failure = {"tensor": None, "rule": "raised", "message": one_line(exc)}
+            return finish("fail", "raised", f"{stage}: {impl.name} raised in its own code: {one_line(exc)} [{own}]",
+                          raised=known.raised(exc))
         where = _where(exc)
         if impl_run is not None and stage.startswith(f"{impl.name} run") and \
                 backward_origin.raised_in_backward_without_frame(exc):

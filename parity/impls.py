@@ -129,6 +129,19 @@ class Implementation:
         fn = self.optional_hook("precision")
         return str(fn(case)) if fn is not None else case.dtype
 
+    def raised_in_own_code(self, exc: BaseException) -> Optional[str]:
+        """Where (``file:line``) ``exc`` was raised inside the code under test itself — the implementation's own
+        behaviour on the case (a ``fail`` with rule ``raised``), not a harness or adapter error — or None (its
+        ``raised_in_own_code`` hook; without one every exception is an ``error``)."""
+        fn = self.optional_hook("raised_in_own_code")
+        if fn is None:
+            return None
+        try:
+            where = fn(exc)
+        except Exception:  # noqa: BLE001 — a broken hook leaves the exception an error
+            return None
+        return str(where) if where else None
+
     def describe(self, provider: Optional[str] = None) -> dict:
         """What the run row records about the implementation (empty without a ``describe`` hook); ``provider``
         (the run's) is passed to a hook that takes it, so provider-specific stand-ins are recorded too."""

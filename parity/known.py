@@ -403,10 +403,11 @@ def apply(result, entries: Iterable[dict], provider: str, arch: str, revision: s
     elsewhere = [e for e in about if e not in here]
     crashes = [e for e in here if "raises" in e["expect"]]
     models = [e for e in here if "model" in e["expect"]]
-    if result.outcome == "error":
+    crashed = result.outcome == "error" or (result.outcome == "fail" and result.decided_by == "raised")
+    if crashed:  # an exception: the harness's error, or production raising in its own code (rule ``raised``)
         hit = next((e for e in crashes if raises_match(e, raised, revision)), None)
         if hit is not None:
-            result.known = _record([hit], "reproduced", was="error", message=result.message, raised=raised)
+            result.known = _record([hit], "reproduced", was=result.outcome, message=result.message, raised=raised)
             result.outcome, result.decided_by = "known", "known"
             result.message = f"known deviation {hit['id']} (its exception and raising frame): {result.message}"
         elif crashes:

@@ -8,7 +8,9 @@ Harness hooks (``parity/impls.py``): ``use_backend(provider=..., require=...)`` 
 providers ``unfused`` / ``emulated`` / ``cudnn`` (:mod:`adapters.megatron.providers`); ``observe_kernels(observer)``
 — every kernel call of production's fused path inside ``observer(stage, provider)`` (as ``fused.observe_kernels``;
 :mod:`adapters.megatron.kernel_calls`); ``precision(case)`` — the
-dtype production computes a case in (float32 islands in float64 runs); ``describe()`` — Megatron's revision and the
+dtype production computes a case in (float32 islands in float64 runs); ``raised_in_own_code(exc)`` — where an
+exception arose inside production's own code (that revision's behaviour: a ``fail``, not an ``error``);
+``describe()`` — Megatron's revision and the
 stand-ins in use (the run row); ``known_deviations`` — the registry of production behaviour that differs from the
 contract (``known_deviations.json``, :mod:`parity.known`); ``TOPK_TIE_RULE = "arbitrary"`` (``torch.topk``
 among exact ties).
@@ -34,6 +36,28 @@ def check_ready() -> None:
     megatron()
 
 
+def raised_in_own_code(exc: BaseException):
+    """``file:line`` (under ``megatron/``) where ``exc`` was raised inside production's own code, else None: the
+    innermost frame outside torch and site-packages lies in the imported Megatron-LM tree. Such an exception is that
+    revision's behaviour on the case (the engine reports a ``fail``, rule ``raised``); one raised in the adapter, its
+    stand-ins or the harness stays an ``error``."""
+    import os
+    import traceback
+
+    from .loader import loaded
+
+    mg = loaded()
+    if mg is None:
+        return None
+    root = str(mg.source.root) + os.sep
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        name = frame.filename
+        if "/site-packages/" in name or "/torch/" in name:
+            continue
+        return f"{os.path.relpath(name, root)}:{frame.lineno}" if os.path.abspath(name).startswith(root) else None
+    return None
+
+
 def precision(case) -> str:
     """The precision production computes ``case`` in: float64 cases keep float32 islands (RoPE tables, YaRN ramp,
     ``.float()`` attention / indexer / loss math, fp32 sink and ``ape``), so they are judged at float32 level."""
@@ -46,8 +70,7 @@ def precision(case) -> str:
 
 __all__ = ["MegatronSourceError", "TOPK_TIE_RULE", "attention_layer", "available_providers", "check_ready",
            "core_attention", "describe", "gate_paths", "known_deviations", "observe_kernels", "precision",
-           "provider_name",
-           "use_backend"]
+           "provider_name", "raised_in_own_code", "use_backend"]
 
 
 def known_deviations() -> list:

@@ -44,7 +44,8 @@ class ConfigRefused(Unsupported):
 
 
 def transformer_config(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str):
-    """Production's ``MLATransformerConfig`` for one layer of ``config``."""
+    """Production's ``MLATransformerConfig`` for one layer of ``config``; ``backend`` ``"cudnn"`` selects the fused
+    path through the generation's switch (``dsa_kernel_backend="cudnn"`` or ``apply_dsa_kernel_fusion=True``)."""
     c = config
     cls = mg.modules["megatron.core.transformer.transformer_config"].MLATransformerConfig
     kwargs = dict(
@@ -61,11 +62,12 @@ def transformer_config(mg: Megatron, config: ModelConfig, dtype: torch.dtype, ba
         csa_compress_rotary_base=c.csa_compress_rotary_base, rotary_scaling_factor=c.rotary_scaling_factor,
         original_max_position_embeddings=c.original_max_position_embeddings, beta_fast=c.beta_fast,
         beta_slow=c.beta_slow, layernorm_epsilon=c.layernorm_epsilon, normalization="RMSNorm", qk_layernorm=True,
-        add_bias_linear=False, apply_rope_fusion=False, dsa_kernel_backend=backend, params_dtype=dtype,
+        add_bias_linear=False, apply_rope_fusion=False, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
         # every parameter is the harness's (functional_call by name, checked by layer.py): production's random
         # initialisation of the linears would only be overwritten (stand-in ``no-weight-init``)
         perform_initialization=False,
+        **mg.generation.switch_kwargs(backend == "cudnn"),
     )
     return cls(**kwargs)
 
@@ -94,7 +96,8 @@ def pg_collection(mg: Megatron):
 
 def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, device: str,
           promoted: bool = False) -> Built:
-    """The layer for ``config`` in ``dtype`` with ``dsa_kernel_backend=backend`` (``none`` / ``cudnn``), cached;
+    """The layer for ``config`` in ``dtype`` on production's PyTorch (``backend="none"``) or fused (``"cudnn"``) path,
+    cached;
     ``promoted``: built with the float32 islands promoted (RoPE tables; :mod:`adapters.megatron.promote`)."""
     key = (config, dtype, backend, device, promoted)
     if key in _CACHE:
@@ -106,7 +109,7 @@ def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, d
     with standins.cpu_device_calls(device == "cpu"):
         try:
             cfg = transformer_config(mg, config, dtype, backend)
-        except ValueError as exc:  # production's __post_init__ validation
+        except (ValueError, AssertionError) as exc:  # production's __post_init__ validation (raise / assert)
             raise ConfigRefused(f"production's config validation refuses this case: {exc}") from None
         spec = specs.get_dsv4_hybrid_module_spec_for_backend(cfg, _backend(mg))
         module = spec_utils.build_module(spec, config=cfg, layer_number=1, pg_collection=pg_collection(mg))

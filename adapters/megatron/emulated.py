@@ -119,20 +119,53 @@ def _validation_without_cuda(mg: Megatron):
     return _validate_dsa_kernel_backend_dependencies
 
 
+def _post_init_on_declared_device(config_cls):
+    """``config_cls.__post_init__`` with ``torch.cuda.is_available()`` read True (the ``inline`` validation of the
+    oldest API generation asserts a CUDA device, then the SM100 capability declared on a CPU, then that the kernel
+    packages import): only while the config validates itself, never during a forward or backward."""
+    original = config_cls.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        with patched(torch.cuda, "is_available", lambda: True):
+            return original(self, *args, **kwargs)
+
+    return __post_init__
+
+
+def validation_shim(mg: Megatron, cpu: bool) -> contextlib.AbstractContextManager:
+    """The fused-path config check of ``mg``'s API generation, run without a CUDA device: ``function`` — production's
+    ``_validate_dsa_kernel_backend_dependencies`` checks only that the two packages import; ``inline`` — the config's
+    ``__post_init__`` sees a CUDA device on a CPU (:func:`_post_init_on_declared_device`)."""
+    tc = mg.modules["megatron.core.transformer.transformer_config"]
+    if mg.generation.validation == "function":
+        return patched(tc, "_validate_dsa_kernel_backend_dependencies", _validation_without_cuda(mg))
+    if not cpu:
+        return contextlib.nullcontext()
+    cls = tc.MLATransformerConfig
+    return patched(cls, "__post_init__", _post_init_on_declared_device(cls))
+
+
 STANDINS = ("cudnn.DSA -> torch kernel provider", "flash_mla_sparse_fwd -> torch kernel provider (d_v <= key width)",
             "device capability (10, 0) on CPU", "nvtx no-op on CPU", "backend validation without CUDA")
+#: the validation shim's note per API generation (``generations.Generation.validation``)
+VALIDATION_NOTES = {"function": "backend validation without CUDA",
+                    "inline": "config validation sees a CUDA device (torch.cuda.is_available during __post_init__)"}
+
+
+def standins(mg: Megatron) -> tuple[str, ...]:
+    """The stand-ins of this provider for ``mg``'s API generation (the run row)."""
+    return STANDINS[:-1] + (VALIDATION_NOTES[mg.generation.validation],)
 
 
 @contextlib.contextmanager
 def installed(mg: Megatron) -> Iterator[None]:
     """Install the stand-ins and shims for the block (a forward and its backward)."""
-    import megatron.core.transformer.transformer_config as tc  # noqa: PLC0415 — imported by the loader already
-
     cpu = not torch.cuda.is_available()
     dsa = dsa_namespace()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_modules(_stub_modules(dsa)))
-        stack.enter_context(patched(tc, "_validate_dsa_kernel_backend_dependencies", _validation_without_cuda(mg)))
+        stack.enter_context(validation_shim(mg, cpu))
         if cpu:
             stack.enter_context(patched(torch.cuda, "get_device_capability", lambda *a, **k: DEVICE_CAPABILITY))
             stack.enter_context(patched(torch.cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext()))

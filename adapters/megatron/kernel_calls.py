@@ -1,7 +1,8 @@
 """The kernel calls of production's fused path, as one seam: what ``cudnn.DSA`` and ``flash_mla_sparse_fwd`` resolve
 to inside production's module, and the observers that see each call.
 
-Production (``csa_utils/fused_sparse_attention.py``) resolves its kernels lazily into two module globals, ``_DSA``
+Production's fused module (``csa_utils/fused_sparse_attention.py``; ``csa_kernels.py`` / ``dsa_kernels.py`` in older
+API generations, :mod:`adapters.megatron.generations`) resolves its kernels lazily into two module globals, ``_DSA``
 (the ``cudnn.DSA`` namespace: ``<stage>_wrapper`` functions) and ``_flash_mla_sparse_fwd``, and reads them at every
 call. :func:`installed` sets both for a block (restored after), to the real kernels (``cudnn`` provider) or to the
 torch stand-ins (``emulated``), each behind a thin proxy that runs the call inside every open
@@ -13,10 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 from typing import Any, Callable, ContextManager, Iterator
 
-from .recorders import FUSED, patched
+from . import loader
+from .recorders import patched
 
 #: ``cudnn.DSA`` wrapper -> the kernel stage it runs (the stage names of ``fused.kernels``: the torch provider's
 #: method of the same name is the wrapper's contract-exact stand-in)
@@ -84,12 +85,17 @@ class ObservedDSA:
 @contextlib.contextmanager
 def installed(dsa_namespace: Any, dsa_provider: str, flash_fwd: Callable, flash_provider: str) -> Iterator[None]:
     """Production's fused module calls ``dsa_namespace`` and ``flash_fwd`` (both observed) inside the block."""
-    fused = importlib.import_module(FUSED)
+    mg = loader.loaded()
+    if mg is None:
+        raise RuntimeError("production's kernels are installed before Megatron-LM is imported (providers.megatron())")
+    fused = mg.fused()  # the API generation's fused module (csa_utils/fused_sparse_attention.py, csa_kernels.py, ...)
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(fused, "_DSA", ObservedDSA(dsa_namespace, dsa_provider)))
         stack.enter_context(patched(fused, "_flash_mla_sparse_fwd", observed(flash_fwd, FLASH_STAGE, flash_provider)))
-        fused._get_topk_alignment.cache_clear()  # read from the device capability in force (real or declared)
+        # read from the device capability in force (real or declared); not cached at every revision
+        clear = getattr(fused._get_topk_alignment, "cache_clear", lambda: None)
+        clear()
         try:
             yield
         finally:
-            fused._get_topk_alignment.cache_clear()
+            clear()

@@ -52,24 +52,38 @@ def _check_split(topk_indices) -> None:
         raise CaseError("topk_indices", "production selects its own top-k; split mode is not available for megatron")
 
 
+#: why THD index scores are missing where production's per-segment THD loops made no top-k call
+NO_THD_SCORES = "production's THD indexer ran no per-segment top-k at this revision (no scores to read)"
+
+
 def _indexer_outputs(record: recorders.Record, config: ModelConfig, packed: Optional[PackedSeqParams],
                      lead: tuple) -> tuple:
-    """``(topk_indices, index_scores)`` in the contract's layout from what production recorded (None, None when
-    production produced none)."""
+    """``(topk_indices, index_scores, not_provided)`` in the contract's layout from what production recorded (None,
+    None when production produced none; ``not_provided``: ``{tensor: why}`` for tensors production never surfaces)."""
     k = config.dsa_indexer_topk
     if packed is None:
         topk, scores = record.get("fused_topk", record.get("topk")), record.get("fused_scores", record.get("scores"))
         if topk is None:
-            return None, None
-        return recorders.contract_topk(topk, k).view(lead + (k,)), scores
+            return None, None, {}
+        if "fused_topk" not in record:  # unfused: picks of masked keys read -1 (recorders.drop_masked)
+            topk = recorders.drop_masked(topk, scores)
+        return recorders.contract_topk(topk, k).view(lead + (k,)), scores, {}
     local = record.get("fused_topk", record.get("topk_local"))
+    if local is None and record.get("thd_kv_full_ids") is not None:  # kv_full generation (unfused THD)
+        local = recorders.thd_kv_full_to_local(record["thd_kv_full_ids"], record["thd_cu_seqlens_q"],
+                                               record["thd_cu_seqlens_kv"])
+        if record.get("segment_scores") is None:
+            return recorders.contract_topk(local, k), None, {"index_scores": NO_THD_SCORES}
+        width = int(packed.max_seqlen_q) // config.compress_ratio
+        return (recorders.contract_topk(local, k),
+                recorders.thd_segment_scores_to_local(record["segment_scores"], width), {})
     if local is None:
-        return None, None
+        return None, None, {}
     scores = record.get("fused_scores")
     if scores is None and record.get("scores") is not None and record.get("compressed_offsets") is not None:
         width = int(packed.max_seqlen_q) // config.compress_ratio
         scores = recorders.thd_scores_to_local(record["scores"], record["compressed_offsets"], width)
-    return recorders.contract_topk(local, k), scores
+    return recorders.contract_topk(local, k), scores, {}
 
 
 def _output(out: torch.Tensor, record: recorders.Record, config: ModelConfig, packed, lead: tuple) -> MegatronOutput:
@@ -83,7 +97,8 @@ def _output(out: torch.Tensor, record: recorders.Record, config: ModelConfig, pa
         not_provided["lse"] = "production's unfused attention (unfused_compressed_sparse_attn) computes no LSE"
     topk, scores = (None, None)
     if config.has_indexer:
-        topk, scores = _indexer_outputs(record, config, packed, lead)
+        topk, scores, missing = _indexer_outputs(record, config, packed, lead)
+        not_provided.update(missing)
     loss = record.get("loss")
     # float32 values of a float64 run (production's islands) in the case's dtype, exactly (the contract's dtype)
     wide = torch.float64 if out.dtype == torch.float64 else torch.float32

@@ -1,50 +1,33 @@
 """Import Megatron-LM's DSv4 code from a located tree, with the stand-ins this machine needs, once per process.
 
 :func:`load` returns a :class:`Megatron` handle: the imported production modules, the tree's revision and the
-stand-ins installed at import time. It raises :class:`~adapters.megatron.source.MegatronSourceError` when the tree
-cannot be imported or its API differs from the one this adapter drives (:data:`API`).
+stand-ins installed at import time and the tree's API generation (:mod:`adapters.megatron.generations`). It raises
+:class:`~adapters.megatron.source.MegatronSourceError` when the tree cannot be imported or no generation's probe
+recognises it (one line: the missing symbol and the nearest revision the adapter drives).
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
+import importlib.util
 import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Optional
 
-from . import standins
+from . import generations, standins
 from .source import MegatronSource, MegatronSourceError, locate
 
-VARIANT = "megatron.core.transformer.experimental_attention_variant"
-#: module -> names the adapter uses; a revision lacking one has a different API
-API = {
-    f"{VARIANT}.deepseek_v4_hybrid_attention": ("DSv4HybridSelfAttention", "_q_rms_norm"),
-    f"{VARIANT}.csa": ("CompressedSparseAttention", "Compressor", "CSAIndexer", "DSAIndexerLossAutoScaler",
-                       "fused_qk_topk_naive", "FusedDSAIndexerLoss", "unfused_compressed_sparse_attn",
-                       "rotate_activation"),
-    f"{VARIANT}.dsa": ("DSAIndexerLossAutoScaler", "fused_qk_topk_naive", "compute_dsa_indexer_loss"),
-    "megatron.core.models.gpt.experimental_attention_variant_module_specs": (
-        "get_dsv4_hybrid_module_spec_for_backend",),
-    "megatron.core.models.backends": ("LocalSpecProvider",),
-    "megatron.core.transformer.transformer_config": ("MLATransformerConfig",),
-    "megatron.core.process_groups_config": ("ProcessGroupCollection",),
-    "megatron.core.packed_seq_params": ("PackedSeqParams",),
-}
-#: keyword arguments of production entry points the adapter passes by name
-SIGNATURES = {
-    (f"{VARIANT}.deepseek_v4_hybrid_attention", "DSv4HybridSelfAttention.forward"): ("packed_seq_params",),
-    (f"{VARIANT}.csa", "CompressedSparseAttention.forward"): ("x", "qr", "packed_seq_params"),
-}
+VARIANT = generations.VARIANT
 
 
 @dataclass
 class Megatron:
-    """The imported production code and what was needed to import it."""
+    """The imported production code, its API generation and what was needed to import it."""
 
     source: MegatronSource
     modules: dict[str, ModuleType]
+    generation: generations.Generation
     standins: list[str] = field(default_factory=list)
     has_te: bool = False
 
@@ -52,25 +35,48 @@ class Megatron:
         """``"csa"`` / ``"dsa"`` / ``"deepseek_v4_hybrid_attention"`` or a full module name."""
         return self.modules.get(short) or self.modules[f"{VARIANT}.{short}"]
 
+    def fused(self) -> ModuleType:
+        """Production's fused-kernel module of this generation (``_DSA``, ``_flash_mla_sparse_fwd``, ...)."""
+        return self.modules[self.generation.fused_module_name]
+
 
 _LOADED: Optional[Megatron] = None
 
 
-def _check_api(modules: dict[str, ModuleType], source: MegatronSource) -> None:
-    for name, attrs in API.items():
-        missing = [a for a in attrs if not hasattr(modules[name], a)]
-        if missing:
-            raise MegatronSourceError(f"Megatron-LM at {source.root} ({source.revision}) has a different API: "
-                                      f"{name} lacks {', '.join(missing)}")
-    for (name, qual), kwargs in SIGNATURES.items():
-        obj = modules[name]
-        for part in qual.split("."):
-            obj = getattr(obj, part)
-        params = inspect.signature(obj).parameters
-        missing = [k for k in kwargs if k not in params]
-        if missing:
-            raise MegatronSourceError(f"Megatron-LM at {source.root} ({source.revision}) has a different API: "
-                                      f"{qual} takes no {', '.join(missing)}")
+def loaded() -> Optional[Megatron]:
+    """The Megatron-LM this process imported, or None before :func:`load`."""
+    return _LOADED
+
+
+def _import_all(source: MegatronSource) -> dict[str, Optional[ModuleType]]:
+    """Every module a probe reads: the common ones must import; a generation's own module that the tree does not
+    have (or cannot import) reads None."""
+    required = {n.full_module for n in generations.COMMON}
+    modules: dict[str, Optional[ModuleType]] = {}
+    for name in generations.PROBED_MODULES:
+        if name in required:
+            try:
+                modules[name] = importlib.import_module(name)
+            except ImportError as exc:
+                raise MegatronSourceError(f"cannot import {exc.name or exc} from Megatron-LM at {source.root} "
+                                          f"({source.revision}): {exc}") from None
+            continue
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        try:
+            modules[name] = importlib.import_module(name) if found else None
+        except ImportError:
+            modules[name] = None
+    return modules
+
+
+def _detect(modules: dict[str, Optional[ModuleType]], source: MegatronSource) -> generations.Generation:
+    generation = generations.detect(modules)
+    if generation is None:
+        raise MegatronSourceError(generations.refusal(modules, f"{source.root} ({source.revision})"))
+    return generation
 
 
 def load(path: Optional[str] = None) -> Megatron:
@@ -93,14 +99,8 @@ def load(path: Optional[str] = None) -> Megatron:
     standins.install_paged_stash(used)
     if str(source.root) not in sys.path:
         sys.path.insert(0, str(source.root))
-    modules = {}
-    try:
-        for name in API:
-            modules[name] = importlib.import_module(name)
-    except ImportError as exc:
-        raise MegatronSourceError(f"cannot import {exc.name or exc} from Megatron-LM at {source.root} "
-                                  f"({source.revision}): {exc}") from None
-    _check_api(modules, source)
+    modules = _import_all(source)
+    generation = _detect(modules, source)
     has_te = bool(getattr(modules[f"{VARIANT}.deepseek_v4_hybrid_attention"], "HAVE_TE", False))
-    _LOADED = Megatron(source, modules, used, has_te)
+    _LOADED = Megatron(source, {k: v for k, v in modules.items() if v is not None}, generation, used, has_te)
     return _LOADED

@@ -27,7 +27,7 @@ import torch
 
 from cases.vocabulary import Unsupported
 
-from . import gather_backward, promote, real_kernels, standins
+from . import gather_backward, generations, promote, real_kernels, standins
 from .build import Built, build
 from .loader import Megatron, load
 
@@ -74,11 +74,25 @@ def _prepare(mg: Megatron) -> None:
 def available_providers() -> dict:
     """``{provider: None if usable here, else why not}``."""
     try:
-        megatron()
+        mg = megatron()
         base = None
     except ValueError as exc:
-        base = str(exc)
-    return {"unfused": base, "emulated": base, "cudnn": base or real_kernels.unavailable_reason()}
+        mg, base = None, str(exc)
+    return {"unfused": base, "emulated": base or emulated_reason(mg),
+            "cudnn": base or real_kernels.unavailable_reason()}
+
+
+def emulated_reason(mg: Megatron) -> Optional[str]:
+    """Why the emulated provider cannot drive ``mg``'s fused path, or None: production calls a ``cudnn.DSA`` wrapper
+    the stand-in has no contract-exact torch kernel for (``generations.wrapper_calls``)."""
+    from . import kernel_calls  # noqa: PLC0415
+
+    calls = generations.wrapper_calls(mg.fused())
+    unknown = [name for name in calls if name not in kernel_calls.WRAPPERS]
+    if unknown:
+        return (f"production's fused path at {mg.source.revision} calls cudnn.DSA.{', cudnn.DSA.'.join(unknown)}, "
+                f"which the emulated stand-in does not provide (adapters/megatron/kernel_calls.py: WRAPPERS)")
+    return None
 
 
 @dataclass
@@ -105,6 +119,7 @@ def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
             stack.enter_context(promote.mode())
             stack.enter_context(gather_backward.restored())  # a backward stopped inside a hooked gather
             stack.enter_context(promote.float64_case(False))  # the block's mark, set by run_context's case
+            stack.enter_context(standins.no_stream_capture(not torch.cuda.is_available()))  # forward and backward
             # production's modules are imported (and its tree put on sys.path) before a provider patches them: a
             # fresh worker process enters this block before its first case builds the layer
             mg = megatron()
@@ -151,19 +166,20 @@ def describe(provider: Optional[str] = None) -> dict:
     declared = {}
     if not torch.cuda.is_available():
         used.append("cpu-device (torch.cuda.current_device)")
+        used.append("no-stream-capture (torch.cuda.is_current_stream_capturing -> False)")
     elif name == "unfused" and gather_backward.enabled():
         used.append(gather_backward.NOTE)
     if name == "emulated":
         from . import emulated  # noqa: PLC0415
 
-        used += [f"emulated: {note}" for note in emulated.STANDINS]
+        used += [f"emulated: {note}" for note in emulated.standins(mg)]
         major, minor = emulated.DEVICE_CAPABILITY  # the capability production's code reads (its branches follow it)
         declared = {"architecture": f"sm{major}{minor}"}
     if name == "cudnn":
         used += [f"cudnn: {note}" for note in real_kernels.STANDINS]
     return {"revision": mg.source.revision, "upstream_revision": _upstream(mg.source),
-            "megatron_root": str(mg.source.root), "megatron_origin": mg.source.origin, "provider": name,
-            "standins": used, "te": mg.has_te, **declared,
+            "megatron_root": str(mg.source.root), "megatron_origin": mg.source.origin,
+            "api_generation": mg.generation.name, "provider": name, "standins": used, "te": mg.has_te, **declared,
             **({"kernels": real_kernels.versions()} if name == "cudnn" else {})}
 
 

@@ -10,6 +10,8 @@ absent and each recorded (the run row lists them).
   exact Hadamard matmul ``x H_d d^-1/2`` in fp32 math stands in (float64 math when the islands are promoted).
 * ``cpu-device``: ``torch.cuda.current_device()`` used as an allocation device (parameters, RoPE tables) reads
   ``"cpu"`` while a CPU case runs.
+* ``no-stream-capture``: ``torch.cuda.is_current_stream_capturing()`` reads False without CUDA (the CPU build of torch
+  raises there; the oldest API generation's unfused THD indexer loss asks, forward and backward).
 * ``process-group``: a 1-rank gloo default group over a ``HashStore`` for tensor and context parallelism.
 * ``q-rms-norm-eager``: ``@torch.compile _q_rms_norm`` runs with dynamo disabled (compiling costs 10-20 s per new
   shape on CPU and needs a C++ compiler); the function's own body computes the same values.
@@ -109,6 +111,21 @@ def cpu_device_calls(active: bool) -> Iterator[None]:
         yield
     finally:
         torch.cuda.current_device = original
+
+
+@contextlib.contextmanager
+def no_stream_capture(active: bool) -> Iterator[None]:
+    """``torch.cuda.is_current_stream_capturing()`` returns False inside the block (only when ``active``: no CUDA,
+    where the CPU build of torch raises; the oldest API generation's unfused THD loss asks, forward and backward)."""
+    if not active:
+        yield
+        return
+    original = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: False
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing = original
 
 
 def one_rank_group():

@@ -80,17 +80,15 @@ def test_the_upstream_revision_of_a_snapshot_a_bundle_checkout_and_a_scratch_cop
     assert "not a git work tree" in plain.revision and source.upstream_revision(plain) is None
 
 
-def test_a_revision_with_a_different_api_is_a_clear_error():
-    import types
+def test_a_revision_no_api_generation_recognises_is_a_clear_error():
+    from adapters.megatron import generations, loader
+    from tests.adapters.test_megatron_generations import fake_modules
 
-    from adapters.megatron import loader
-
-    modules = {name: types.SimpleNamespace(**{a: object() for a in attrs}) for name, attrs in loader.API.items()}
-    csa = f"{loader.VARIANT}.csa"
-    del modules[csa].fused_qk_topk_naive
+    needs = [n for n in generations.COMMON + generations.NEWEST.needs if n.name != "fused_qk_topk_naive"]
     src = source.MegatronSource(Path("/x"), "rev", "--megatron")
-    with pytest.raises(source.MegatronSourceError, match="different API: .*csa lacks fused_qk_topk_naive"):
-        loader._check_api(modules, src)
+    with pytest.raises(source.MegatronSourceError, match="can drive: it lacks csa.fused_qk_topk_naive"):
+        loader._detect(fake_modules(needs), src)
+    assert loader._detect(fake_modules(generations.COMMON + generations.NEWEST.needs), src) is generations.NEWEST
 
 
 @needs_megatron

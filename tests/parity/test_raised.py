@@ -1,0 +1,55 @@
+"""An exception inside the code under test is its behaviour on the case — a ``fail`` with rule ``raised`` — when the
+implementation's ``raised_in_own_code`` hook places it there; else it stays an ``error``. A registry entry that
+expects an error explains both."""
+
+from __future__ import annotations
+
+from parity import impls, known
+from parity.engine import RunOptions, run_case
+from parity.results import CaseResult
+from tests.parity.fakes import Raises
+from tests.parity.helpers import pick
+
+REF = impls.load("reference")
+
+
+class RaisesInOwnCode(Raises):
+    """Raises in the forward, and says the exception arose in its own code."""
+
+    def raised_in_own_code(self, exc):
+        return "megatron/core/x.py:7" if "illegal memory access" in str(exc) else None
+
+
+own = RaisesInOwnCode("fused")
+
+
+def test_an_exception_in_the_code_under_test_is_a_failure_and_elsewhere_an_error():
+    case = pick(dtype="float32", layout="bshd", ratio="0")
+    result = run_case(case, impls.load("tests.parity.test_raised:own"), REF, RunOptions())
+    assert (result.outcome, result.decided_by) == ("fail", "raised")
+    assert "raised in its own code" in result.message and "[megatron/core/x.py:7]" in result.message
+    assert result.first_failure["rule"] == "raised"
+    # negative control: the same exception from an implementation without the hook is an error
+    plain = run_case(case, impls.load("tests.parity.fakes:fused_raises"), REF, RunOptions())
+    assert plain.outcome == "error"
+
+
+def test_a_broken_hook_leaves_the_exception_an_error():
+    class Broken:
+        def raised_in_own_code(self, exc):
+            raise KeyError("broken")
+
+    assert impls.Implementation("x", Broken()).raised_in_own_code(RuntimeError()) is None
+    assert impls.Implementation("x", object()).raised_in_own_code(RuntimeError()) is None
+
+
+def test_an_error_entry_explains_a_raised_failure_but_not_a_numeric_one():
+    case = pick(dtype="float32", layout="bshd", ratio="0")
+    entry = {"id": "e", "upstream": "x", "reason": "r", "evidence": "e", "providers": ["*"], "architectures": ["*"],
+             "revisions": ["*"], "match": {}, "expect": {"error": "scalar type Float"}}
+    raised = CaseResult(case=case, outcome="fail", decided_by="raised", message="expected scalar type Float")
+    known.apply(raised, [entry], "unfused", "cpu", "rev")
+    assert raised.outcome == "known" and raised.known["was"] == "fail"
+    numeric = CaseResult(case=case, outcome="fail", decided_by="noise_floor", message="expected scalar type Float")
+    known.apply(numeric, [entry], "unfused", "cpu", "rev")
+    assert numeric.outcome == "fail"  # control: an error entry never explains a numeric failure
