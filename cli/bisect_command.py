@@ -28,7 +28,8 @@ def _say(text: str = "") -> None:
 def _step_line(n: int, step: bisect.Step) -> str:
     shown = "; ".join(f"{cid[:12]} {v.describe()}" for cid, v in sorted(step.verdicts.items()))
     what = shown if step.status == "ok" else f"skipped: {step.why}"
-    return f"  step {n:>2}  {step.commit.label():<34} {step.side:<4} {step.seconds:6.1f} s  {what}"
+    return (f"  step {n:>2}  {step.commit.label():<34} {step.generation or '-':<11} {step.side:<4} "
+            f"{step.seconds:6.1f} s  {what}")
 
 
 def _repro(repo: Path, step: bisect.Step, verdict: bisect.CaseVerdict) -> str:
@@ -101,9 +102,10 @@ def command(args: argparse.Namespace) -> int:
             count[0] += 1
             start = time.perf_counter()
             path = tree.checkout(commit.sha)
-            status, verdicts, why = bisect.run_step(path, case_ids, label, args.provider,
-                                                    Path(runs) / f"step-{count[0]}", timeout=args.step_timeout)
-            return bisect.Step(commit, status, verdicts, why, time.perf_counter() - start)
+            step = bisect.run_step(commit, path, case_ids, label, args.provider, Path(runs) / f"step-{count[0]}",
+                                   timeout=args.step_timeout)
+            step.seconds = time.perf_counter() - start  # the checkout included
+            return step
 
         def progress(step: bisect.Step) -> None:
             _say(_step_line(len(steps_seen) + 1, step))

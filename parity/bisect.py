@@ -68,6 +68,7 @@ class Step:
     why: str = ""
     seconds: float = 0.0
     side: str = ""  # old / new / skip (set by the search)
+    generation: str = ""  # the adapter's API generation of the revision (the step's run row)
 
     def key(self, mode: str) -> tuple:
         return tuple(sorted((cid, v.key(mode)) for cid, v in self.verdicts.items()))
@@ -123,10 +124,18 @@ def verdicts_of(rows: list[dict]) -> dict:
     return out
 
 
-def run_step(tree: Path, case_ids: Sequence[str], suite: str, provider: str, out: Path,
-             python: str = sys.executable, timeout: float = 1800.0) -> tuple[str, dict, str]:
-    """Run the cases on the Megatron-LM at ``tree`` in a fresh process: ``(status, verdicts, why)`` with status
-    ``ok`` or ``skip`` (a usage error of the step — the adapter refused the revision — or an adapter error)."""
+def run_step(commit: git_tree.Commit, tree: Path, case_ids: Sequence[str], suite: str, provider: str, out: Path,
+             python: str = sys.executable, timeout: float = 1800.0) -> Step:
+    """Run the cases on the Megatron-LM at ``tree`` (checked out at ``commit``) in a fresh process: a :class:`Step`
+    with status ``ok`` or ``skip`` (a usage error of the step — the adapter refused the revision — or an adapter
+    error), timed."""
+    start = time.perf_counter()
+    status, verdicts, why, generation = _run(tree, case_ids, suite, provider, out, python, timeout)
+    return Step(commit, status, verdicts, why, time.perf_counter() - start, generation=generation)
+
+
+def _run(tree: Path, case_ids: Sequence[str], suite: str, provider: str, out: Path, python: str,
+         timeout: float) -> tuple[str, dict, str, str]:
     cmd = [python, "-m", "cli", "run", "--impl", "megatron", "--megatron", str(tree), "--provider", provider,
            "--suite", suite, *[a for cid in case_ids for a in ("--case-id", cid)], "--out", str(out), "--force",
            "--quiet", "--threads", "1", "--workers", "1"]
@@ -136,22 +145,25 @@ def run_step(tree: Path, case_ids: Sequence[str], suite: str, provider: str, out
     try:
         done = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "skip", {}, f"the step ran past {timeout:.0f} s"
+        return "skip", {}, f"the step ran past {timeout:.0f} s", ""
     if done.returncode == 2:
         lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
-        return "skip", {}, (lines[-1] if lines else "usage error").removeprefix("error: ")
+        return "skip", {}, (lines[-1] if lines else "usage error").removeprefix("error: "), ""
     stream = out / "results.jsonl"
     if done.returncode not in (0, 1) or not stream.is_file():
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return "skip", {}, f"the step exited {done.returncode}: {tail}"
-    verdicts = verdicts_of(read_rows(stream))
+        return "skip", {}, f"the step exited {done.returncode}: {tail}", ""
+    rows = read_rows(stream)
+    run_row = next((r for r in rows if r.get("type") == "run"), {})
+    generation = str((run_row.get("impl_info") or {}).get("api_generation", ""))
+    verdicts = verdicts_of(rows)
     missing = [cid for cid in case_ids if cid not in verdicts]
     if missing:
-        return "skip", verdicts, f"no result for {', '.join(missing)}"
+        return "skip", verdicts, f"no result for {', '.join(missing)}", generation
     errors = [v for v in verdicts.values() if v.outcome == "error"]
     if errors:
-        return "skip", verdicts, f"adapter error on {errors[0].case_id}: {errors[0].message}"
-    return "ok", verdicts, ""
+        return "skip", verdicts, f"adapter error on {errors[0].case_id}: {errors[0].message}", generation
+    return "ok", verdicts, "", generation
 
 
 # ---- the search -----------------------------------------------------------------------------------------------------
@@ -202,7 +214,7 @@ def to_json(result: Result, mode: str) -> dict:
 
     def step(s: Step) -> dict:
         return {"commit": s.commit.sha, "upstream": s.commit.upstream, "subject": s.commit.subject, "side": s.side,
-                "status": s.status, "why": s.why, "seconds": round(s.seconds, 3),
+                "status": s.status, "why": s.why, "seconds": round(s.seconds, 3), "generation": s.generation,
                 "verdicts": {cid: {"outcome": v.outcome, "failing": list(v.failing), "registry": v.registry}
                              for cid, v in s.verdicts.items()}}
 

@@ -1,0 +1,93 @@
+"""``dsv4-parity bisect``'s search (:func:`parity.bisect.search`) with a planted history: ``git bisect run``
+semantics (undrivable revisions skipped, never blamed), "no change in range", verdicts read before the registry, and
+the tensors that changed verdict. The search over the real history bundle: ``tests/adapters/test_megatron_history.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parity import bisect
+from parity.git_tree import Commit
+
+CHAIN = [Commit(f"{i:040x}", f"commit {i}") for i in range(1, 21)]  # 20 revisions after the good one
+GOOD = Commit("0" * 40, "good")
+
+
+def verdict(outcome, *failing):
+    tensors = {name: "fail" if name in failing else "pass" for name in ("out", "indexer_loss", "grad/hidden")}
+    return {"c": bisect.CaseVerdict("c", outcome, failing, tensors)}
+
+
+def judge_for(first_new: int, skipped=(), new=("pass",), old=("fail", "indexer_loss")):
+    seen = []
+
+    def judge(commit):
+        i = int(commit.sha, 16)
+        seen.append(i)
+        if i in skipped:
+            return bisect.Step(commit, "skip", why="not a revision this adapter can drive")
+        return bisect.Step(commit, "ok", verdict(*(new if i >= first_new else old)))
+
+    return judge, seen
+
+
+def good_step():
+    return bisect.Step(GOOD, "ok", verdict("fail", "indexer_loss"))
+
+
+@pytest.mark.parametrize("first_new", [1, 7, 13, 20])
+def test_the_first_new_revision_is_found_in_log_steps(first_new):
+    judge, seen = judge_for(first_new)
+    result = bisect.search(CHAIN, good_step(), judge)
+    assert result.status == "found" and int(result.first_new.commit.sha, 16) == first_new
+    assert int(result.last_old.commit.sha, 16) == first_new - 1
+    assert len(seen) <= 6  # bad + ceil(log2(20))
+    assert ("c", "indexer_loss", "fail", "pass") in result.changed_tensors()
+
+
+def test_undrivable_revisions_are_skipped_never_blamed():
+    judge, seen = judge_for(10, skipped={9, 10, 11})
+    result = bisect.search(CHAIN, good_step(), judge)
+    # 9..11 are skipped between the last old (8) and the first new one judged (12): any of 9..12 may be the first
+    assert result.status == "skipped-only" and result.first_new.status == "ok"
+    assert [int(s.commit.sha, 16) for s in result.candidates] == [9, 10, 11, 12]
+
+
+def test_a_skip_next_to_the_change_still_finds_it():
+    judge, _ = judge_for(12, skipped={11 + 2, 14})  # skipped revisions after the change
+    result = bisect.search(CHAIN, good_step(), judge)
+    assert result.status == "found" and int(result.first_new.commit.sha, 16) == 12
+
+
+def test_equal_verdicts_at_both_ends_are_no_change_in_range():
+    judge, seen = judge_for(99)  # never new
+    result = bisect.search(CHAIN, good_step(), judge)
+    assert result.status == "no-change" and seen == [20]
+    # negative control: the same history with a change is found
+    assert bisect.search(CHAIN, good_step(), judge_for(5)[0]).status == "found"
+
+
+def test_by_tensors_a_failure_that_moves_is_a_change_by_outcome_it_is_not():
+    judge, _ = judge_for(8, new=("fail", "grad/hidden"))
+    assert bisect.search(CHAIN, good_step(), judge, mode="outcome").status == "no-change"
+    found = bisect.search(CHAIN, good_step(), judge, mode="tensors")
+    assert found.status == "found" and int(found.first_new.commit.sha, 16) == 8
+
+
+def test_an_undrivable_bad_revision_is_refused():
+    judge, _ = judge_for(5, skipped={20})
+    with pytest.raises(ValueError, match="bad revision"):
+        bisect.search(CHAIN, good_step(), judge)
+
+
+def test_verdicts_are_read_before_the_registry():
+    rows = [{"type": "run"},
+            {"type": "case", "case_id": "a", "outcome": "known", "message": "m",
+             "known": {"id": "e", "status": "reproduced", "was": "fail"}},
+            {"type": "tensor", "case_id": "a", "tensor": "indexer_loss", "verdict": "fail"},
+            {"type": "tensor", "case_id": "a", "tensor": "out", "verdict": "pass"},
+            {"type": "case", "case_id": "b", "outcome": "pass", "known": {"id": "e", "status": "fixed?"}}]
+    found = bisect.verdicts_of(rows)
+    assert found["a"].outcome == "fail" and found["a"].failing == ("indexer_loss",) and found["a"].registry == "e"
+    assert found["b"].outcome == "pass" and found["b"].registry is None  # a fixed? flag changes no verdict
