@@ -248,7 +248,7 @@ def wrapper_calls(fused: ModuleType) -> tuple[str, ...]:
 
 
 def table() -> list[dict]:
-    """The table as rows (``dsv4-parity`` prints it; tests read it)."""
+    """The table as rows (what the README's table shows; the tests read it)."""
     return [{"generation": g.name, "revisions": f"{g.first}..{g.last}", "switch": g.switch,
              "fused_module": g.fused_module, "lse_from": g.flash_forward, "thd_topk": g.thd_topk,
              "validation": g.validation, "probe": [str(n) for n in g.needs]} for g in GENERATIONS]

@@ -1,18 +1,27 @@
 """Recorders on production functions: what production itself computed, captured while it runs.
 
-Each recorder replaces one name in the module namespace where production *calls* it (``csa``, ``dsa``) by a wrapper
-that calls the original and keeps a detached copy of its result; :func:`recording` installs them for one call and
-restores the originals after. Nothing here recomputes a production value; conversions are layout only (global ->
-local compressed ids, a sort and ``-1`` padding to width ``K``).
+Each recorder replaces one name in the module namespace where production *calls* it (``csa``, ``dsa``, the API
+generation's fused module) by a wrapper that calls the original and keeps a detached copy of its result;
+:func:`recording` installs them for one call and restores the originals after. Which names exist depends on the
+revision's API generation (:mod:`adapters.megatron.generations`). Nothing here recomputes a production value;
+conversions are layout only (global / ``kv_full`` -> local compressed ids, a sort and ``-1`` padding to width ``K``,
+per-segment score blocks placed at their rows) plus one convention: a pick whose own recorded score is ``-inf`` reads
+``-1`` (:func:`drop_masked`).
 
 Recorded (the last forward call wins):
 
 * ``scores`` / ``topk`` — ``fused_qk_topk_naive`` (unfused paths; ``dsa.py``): the masked index scores and the
   selected ids, cloned at once (``compute_dsa_indexer_loss`` later adds masks to the score tensor in place);
-* ``topk_local`` — ``_compressed_thd_topk_to_local`` (THD): segment-local ids; ``compressed_offsets`` —
-  ``_build_compressed_thd_indexer_metadata``'s per-row compressed offset, to read THD scores by local id;
+* ``topk_local`` — ``_compressed_thd_topk_to_local`` (THD, ``to_local`` generations): segment-local ids;
+  ``compressed_offsets`` — ``_build_compressed_thd_indexer_metadata``'s per-row compressed offset, to read THD scores
+  by local id;
+* ``thd_kv_full_ids`` / ``thd_cu_seqlens_q`` / ``thd_cu_seqlens_kv`` — ``build_flat_topk_idxs`` and
+  ``build_cu_seqlens_kv_full`` (THD, ``kv_full`` generation): the selection as production hands it to its sparse
+  attention; ``segment_scores`` — the inner ``fused_qk_topk_naive`` calls of production's per-segment THD loops
+  (``fused_qk_topk_naive_thd``, ``fwd_fused_indexer_loss_naive_thd``) with the loop's own offsets;
 * ``loss`` — ``DSAIndexerLossAutoScaler.apply(output, indexer_loss)``: the loss production attaches to the output;
-* ``lse`` / ``fused_topk`` / ``fused_scores`` — written by the emulated kernel stand-ins (``emulated.py``).
+* ``lse`` — the fused module's FlashMLA adapter (``_csa_fwd_flash_mla`` / ``_dsa_fwd_flash_mla``); ``fused_topk`` /
+  ``fused_scores`` — its ``_indexer_topk_core`` (fused paths).
 """
 
 from __future__ import annotations
@@ -227,9 +236,9 @@ def thd_segment_scores_to_local(segment_scores: tuple, width: int) -> torch.Tens
     with rows and keys, each ``[1, sq_b, sk_b]`` by segment-local key) -> ``[total_q, width]`` at the rows the loop
     wrote them to; ``-inf`` elsewhere. Raises when the calls do not match the segments (a changed loop)."""
     calls, cu_q, cu_k, total = segment_scores
-    cu_q, cu_k = [int(v) for v in cu_q.tolist()], [int(v) for v in cu_k.tolist()]
     dtype = calls[0].dtype if calls else torch.float32
-    device = calls[0].device if calls else cu_seqlens_device(segment_scores)
+    device = calls[0].device if calls else cu_q.device
+    cu_q, cu_k = [int(v) for v in cu_q.tolist()], [int(v) for v in cu_k.tolist()]
     out = torch.full((total, width), float("-inf"), dtype=dtype, device=device)
     spans = [(cu_q[b], cu_q[b + 1], cu_k[b + 1] - cu_k[b]) for b in range(len(cu_q) - 1)
              if cu_q[b + 1] > cu_q[b] and cu_k[b + 1] > cu_k[b]]
@@ -240,10 +249,6 @@ def thd_segment_scores_to_local(segment_scores: tuple, width: int) -> torch.Tens
         block = scores.reshape(end - start, -1)[:, :width]
         out[start:end, : min(keys, width)] = block[:, : min(keys, width)]
     return out
-
-
-def cu_seqlens_device(segment_scores: tuple) -> torch.device:
-    return segment_scores[1].device
 
 
 def thd_scores_to_local(scores: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:

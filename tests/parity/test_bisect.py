@@ -91,3 +91,21 @@ def test_verdicts_are_read_before_the_registry():
     found = bisect.verdicts_of(rows)
     assert found["a"].outcome == "fail" and found["a"].failing == ("indexer_loss",) and found["a"].registry == "e"
     assert found["b"].outcome == "pass" and found["b"].registry is None  # a fixed? flag changes no verdict
+
+
+def test_usage_errors_come_before_any_step(tmp_path, capsys):
+    """Not a clone, an unknown revision, an unknown case: exit 2 with one line, nothing run."""
+    import subprocess
+
+    from cli.main import main
+
+    assert main(["bisect", "--megatron", str(tmp_path), "--good", "a", "--bad", "b", "--case-id", "c"]) == 2
+    assert "is not a git repository" in capsys.readouterr().err
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "one"], check=True)
+    assert main(["bisect", "--megatron", str(repo), "--good", "nosuchrev", "--bad", "HEAD", "--case-id", "c"]) == 2
+    assert "'nosuchrev' names no commit" in capsys.readouterr().err
+    assert main(["bisect", "--megatron", str(repo), "--good", "HEAD", "--bad", "HEAD", "--case-id", "c"]) == 2
+    assert "the same commit" in capsys.readouterr().err
