@@ -37,6 +37,10 @@ class Built:
 _CACHE: dict[tuple, Built] = {}
 CACHE_SIZE = 4
 
+#: the process groups of a context-parallel rank process (:mod:`adapters.megatron.cp_rank` sets it once at start,
+#: an object with ``tp``, ``cp`` groups and ``config_fields()``); None: the 1-rank group of a normal process
+PARALLEL = None
+
 
 class ConfigRefused(Unsupported):
     """Production's own config validation declines the case (e.g. the r = 4 dense indexer loss on sm90 with the
@@ -69,6 +73,10 @@ def transformer_config(mg: Megatron, config: ModelConfig, dtype: torch.dtype, ba
         perform_initialization=False,
         **mg.generation.switch_kwargs(backend == "cudnn"),
     )
+    if PARALLEL is not None:  # a CP rank: production's CP config fields (and the stand-in its TE check needs)
+        kwargs.update(PARALLEL.config_fields())
+        with PARALLEL.config_context(mg):
+            return cls(**kwargs)
     return cls(**kwargs)
 
 
@@ -87,8 +95,11 @@ def _backend(mg: Megatron):
 
 def pg_collection(mg: Megatron):
     cls = mg.modules["megatron.core.process_groups_config"].ProcessGroupCollection
-    group = standins.one_rank_group()
     pgs = cls()
+    if PARALLEL is not None:
+        pgs.tp, pgs.cp = PARALLEL.tp, PARALLEL.cp
+        return pgs
+    group = standins.one_rank_group()
     pgs.tp = group
     pgs.cp = group
     return pgs

@@ -24,7 +24,7 @@ from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 from cases.outputs import AttentionOutput
 
-from . import gather_backward, recorders
+from . import cp, gather_backward, recorders
 from .providers import current, run_context
 
 CORE_PREFIX = "core_attention."
@@ -127,6 +127,9 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
                     topk_indices: Optional[torch.Tensor] = None) -> AttentionOutput:
     """Production's whole layer on ``hidden`` BSHD ``[B, S, Hd]`` / THD ``[T, Hd]``."""
     _check_split(topk_indices)
+    if cp.size() > 1:  # production's THD context-parallel branch over N rank processes (adapters.megatron.cp)
+        out, call = cp.run("layer", {"hidden": hidden}, params, config, packed_seq_params, training, current())
+        return cp.output(call, out, config, packed_seq_params)
     packed = packed_seq_params is not None
     lead = tuple(hidden.shape[:1] if packed else hidden.shape[:2])
     with run_context(current(), config, hidden, training) as (mg, built):
@@ -148,6 +151,11 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
     """Production's ``CompressedSparseAttention`` on roped ``query [.., n, D]``, ``kv [.., D]``, ``hidden`` and
     ``q_latent``; returns ``out [.., n, D]`` (before inverse RoPE)."""
     _check_split(topk_indices)
+    if cp.size() > 1:
+        inputs = {"query": query, "kv": kv, "hidden": hidden, "q_latent": q_latent}
+        core = {name: t for name, t in params.items() if name.startswith(CORE_PREFIX)}
+        out, call = cp.run("core", inputs, core, config, packed_seq_params, training, current())
+        return cp.output(call, out, config, packed_seq_params)
     packed = packed_seq_params is not None
     lead = tuple(query.shape[:1] if packed else query.shape[:2])
     n, d = config.num_attention_heads, config.v_head_dim
