@@ -30,6 +30,9 @@ def add_implementation_options(p: argparse.ArgumentParser, *, impl_default: str 
                    help="where to run (default: cuda if available); an explicit cpu also runs the cases "
                         "that ask for CUDA (e.g. --suite gate-cpu)")
     p.add_argument("--policy", help="tolerance policy JSON (default parity/policy.json)")
+    p.add_argument("--cp", type=int, default=1, metavar="N",
+                   help="--impl megatron: run production's THD context-parallel branch with N ranks (2, 4; separate "
+                        "processes in one gloo group on the CPU), judged on the whole pack (default 1: off)")
     add_megatron_argument(p)
 
 
@@ -190,4 +193,4 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     from parity.engine import RunOptions
 
     return RunOptions(impl=args.impl, against=args.against, provider=args.provider, device=args.device,
-                      require=getattr(args, "require", None), policy_path=args.policy)
+                      require=getattr(args, "require", None), policy_path=args.policy, cp=getattr(args, "cp", 1))

@@ -34,6 +34,8 @@ def _check_impls(args: argparse.Namespace, oracle: Optional[str]) -> None:
     impl = load(args.impl)
     impl.check_ready()
     impl.check_provider(args.provider)
+    with impl.parallel(getattr(args, "cp", 1)):  # --cp: an implementation without CP, or a size it refuses
+        pass
     if getattr(args, "require", None):
         impl.check_provider(args.require)
     if not oracle:
@@ -62,8 +64,17 @@ def _render_report(out_dir: Path) -> None:
         print(f"note: report rendering failed: {exc}", file=sys.stderr)
 
 
-def _applicable(cases: list, oracle: Optional[str]) -> list:
-    return [c for c in cases if applicable(oracle, c)] if oracle else cases
+def _applicable(cases: list, oracle: Optional[str], cp: int = 1) -> list:
+    """The cases an oracle applies to; with ``--cp N > 1`` the THD ones (context parallelism partitions a packed
+    THD buffer: production refuses BSHD with CP), saying how many were left out."""
+    cases = [c for c in cases if applicable(oracle, c)] if oracle else cases
+    if cp > 1:
+        thd = [c for c in cases if c.is_thd]
+        if len(thd) < len(cases):
+            _say(f"--cp {cp}: {len(cases) - len(thd)} BSHD case(s) not selected (production's context parallelism "
+                 "needs a THD pack: \"DSv4 Hybrid with CP requires qkv_format='thd'\")")
+        cases = thd
+    return cases
 
 
 def _recorded(args: argparse.Namespace, out_override: Optional[Path],
@@ -122,14 +133,15 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
         resume_mod.apply_recorded_options(args, given, recorded, out_dir)
         oracle = resume_mod.check_oracle(oracle, given, recorded, out_dir)
         if set(given) & set(resume_mod.SELECTION_OPTIONS):
-            resume_mod.check_selection(given, _applicable(select_cases(args)[1], oracle), recorded, out_dir)
+            resume_mod.check_selection(given, _applicable(select_cases(args)[1], oracle, getattr(args, "cp", 1)),
+                                       recorded, out_dir)
         label, cases = resume_mod.recorded_cases(recorded, out_dir)
         run_id = str(recorded.get("run_id") or out_dir.name)
         _check_impls(args, oracle)
         check_run_options(args)  # the recorded options too
     else:
         label, cases = select_cases(args)
-        cases = _applicable(cases, oracle)
+        cases = _applicable(cases, oracle, getattr(args, "cp", 1))
         run_id = new_run_id(label, args.impl, oracle)
         if out_override is None:
             out_dir, link = resolve_out_dir(args.out, run_id, args.make_default, args.resume)

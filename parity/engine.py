@@ -63,6 +63,7 @@ class RunOptions:
     device: str = "auto"        # auto / cpu / cuda; explicit cpu also runs the cases that ask for CUDA (gate-cpu)
     require: Optional[str] = None
     policy_path: Optional[str] = None
+    cp: int = 1                 # context-parallel ranks of the implementation (megatron: production's THD CP branch)
 
     def torch_device(self) -> str:
         if self.device == "auto":
@@ -82,6 +83,8 @@ class RunOptions:
             parts.append(f"--require {self.require}")
         if self.device != "auto":
             parts.append(f"--device {self.device}")
+        if self.cp != 1:
+            parts.append(f"--cp {self.cp}")
         return " ".join(parts)
 
 

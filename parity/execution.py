@@ -29,10 +29,11 @@ def execute(request: dict) -> list[dict]:
     oracle = request.get("oracle")
     try:
         impl = load_impl(options.impl)
-        if oracle:
-            result = run_oracle(oracle, case, impl, options)
-        else:
-            result = run_case(case, impl, load_impl(options.against), options)
+        with impl.parallel(options.cp):  # --cp N: the implementation's context-parallel ranks
+            if oracle:
+                result = run_oracle(oracle, case, impl, options)
+            else:
+                result = run_case(case, impl, load_impl(options.against), options)
     except Exception as exc:  # noqa: BLE001 — e.g. an implementation that cannot even be imported
         return error_rows(case, options, one_line(exc))
     return result.rows()

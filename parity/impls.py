@@ -18,7 +18,9 @@ An implementation is an object (usually a module) exposing the public API of ARC
 * ``gate_paths(provider)`` — the providers a gate runs, one run each (``dsv4-parity gate``): the implementation's
   production paths (default: ``[provider]``);
 * ``describe()`` — a dict for the run row (e.g. the revision of the code under test and the stand-ins in use);
-* ``known_deviations()`` — the registry of known behaviour that differs from the contract (:mod:`parity.known`).
+* ``known_deviations()`` — the registry of known behaviour that differs from the contract (:mod:`parity.known`);
+* ``use_context_parallel(n)`` — a context manager running the calls inside it with ``n`` context-parallel ranks
+  (``--cp N``; megatron: production's THD CP branch over ``n`` rank processes).
 """
 
 from __future__ import annotations
@@ -150,6 +152,19 @@ class Implementation:
             return {}
         takes = provider is not None and "provider" in inspect.signature(fn).parameters
         return dict(fn(provider=provider) if takes else fn())
+
+    def parallel(self, cp: int) -> ContextManager:
+        """The context running this implementation with ``cp`` context-parallel ranks (``--cp``; 1: a no-op);
+        :class:`ImplError` when it has no ``use_context_parallel`` hook or refuses the size."""
+        if int(cp) == 1:
+            return contextlib.nullcontext()
+        fn = self.optional_hook("use_context_parallel")
+        if fn is None:
+            raise ImplError(f"--cp {cp}: implementation {self.name!r} has no context parallelism (--impl megatron has)")
+        try:
+            return fn(int(cp))
+        except ValueError as exc:
+            raise ImplError(str(exc)) from None
 
     def context(self, provider: str, require: Optional[str] = None) -> Callable[[], ContextManager]:
         hooks = self.hooks

@@ -16,11 +16,20 @@ oracle                 property                                                 
 ``identical-segments`` segments whose leading rows are equal give equal rows (causality: equal prefixes →     ulp
                        equal forward rows; fully equal segments → equal input gradients too)
 ``determinism``        two runs on the same tensors are bit-identical, padding rows included                 exact
+``cp``                 the implementation with N context-parallel ranks (``--cp N``; N = 2 without it) equals  noise
+                       itself at CP = 1, dO zero on padding rows (their contract has its own oracles): real-
+                       row forward tensors (top-k exact), the loss and every gradient in full
 ``graph-replay``       a forward + backward captured in a CUDA graph on the case's packing, replayed after   graph
                        overwriting cu_seqlens / dO in place with other packings of the buffer, equals an eager
                        run on each packing; control: it differs from the capture packing's eager result
                        (CUDA only: ``unsupported`` elsewhere)
 =====================  ====================================================================================  =====
+
+Rule ``noise`` (``cp``): ``max|a - b| / (max|noise - truth| + ulps·eps·max|truth| + atol) <=`` the tensor class's
+``noise_floor_ratio`` (``parity/policy.json``; per element for scalar-like tensors, as the verdict), where ``truth``
+/ ``noise`` are the reference's float64 / working-precision runs with ``b``'s top-k: a CP run may only differ from
+the 1-rank run by what the reference itself loses to rounding (reductions cut across ranks, gradients summed
+over them).
 
 Rule ``exact``: every compared element bit-identical (``n_diff == 0``). Rule ``ulp``: ``max|a - b|`` at most
 ``ulps · eps(dtype) · max|b|`` (policy ``metamorphic.<dtype>.ulps``) — the two runs differ only in buffer shapes
@@ -47,8 +56,8 @@ from cases.tensors import DOUT_POISON, CaseTensors, materialize
 from . import graph_replay
 from . import metrics
 from . import policy as policy_mod
-from .engine import RunOptions, _where, one_line
-from .impls import Implementation, is_unsupported
+from .engine import RunOptions, _where, one_line, reference_runs
+from .impls import Implementation, is_unsupported, load, policy_provider
 from .names import ORACLE_SUMMARIES
 from .padding_dout import compared
 from .results import CaseResult
@@ -355,6 +364,84 @@ def _graph_replay(case: Case, runner, ulps: float, capture: Optional[Callable] =
     return out
 
 
+# ---- context parallelism ------------------------------------------------------------------------------------------
+CP_DEFAULT = 2
+
+
+def _noise_result(name: str, case: Case, a: Optional[torch.Tensor], b: Optional[torch.Tensor],
+                  truth: Optional[torch.Tensor], noise: Optional[torch.Tensor], dtype: torch.dtype, tol,
+                  scalar_numel: int) -> TensorResult:
+    """Rule ``noise`` (module docstring) of the CP run ``a`` against the 1-rank run ``b`` (already restricted)."""
+    cls = tensor_class(name)
+    shown = b if b is not None else a
+    base = dict(name=name, tensor_class=cls, dtype="none" if shown is None else str(shown.dtype).removeprefix("torch."),
+                shape=[] if shown is None else list(shown.shape))
+    if a is None or b is None or truth is None or noise is None or not a.is_floating_point():
+        return compare(name, case, a, b, "exact", 0.0)  # missing on one side, an integer tensor: exact
+    if tuple(a.shape) != tuple(b.shape):
+        return TensorResult(**base, verdict="fail", rule="structure",
+                            message=f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+    fa, fb, ft, fn = (metrics.as_f64(x) for x in (a, b, truth, noise))
+    finite = torch.isfinite(fb) & torch.isfinite(ft) & torch.isfinite(fn)
+    pattern = int((torch.isfinite(fa) != torch.isfinite(fb)).sum())
+    err = (fa - fb).abs()[finite]
+    ref = ft[finite]
+    den = float((fn - ft).abs()[finite].max()) if finite.any() else 0.0
+    den += tol.ulps * metrics.eps(dtype) * (float(ref.abs().max()) if ref.numel() else 0.0) + tol.atol
+    if err.numel() == 0:
+        ratio = 0.0
+    elif b.numel() <= scalar_numel:  # per element, with FA4's dSink allowance (as the verdict's rule)
+        dens = den + tol.scalar_ulps * metrics.ulp(ref, dtype)
+        ratio = float(torch.where(err == 0, torch.zeros_like(err), err / dens).max())
+    else:
+        ratio = float(err.max()) / den if den > 0 else (0.0 if float(err.max()) == 0 else float("inf"))
+    limit = tol.noise_floor_ratio
+    ok = ratio <= limit and pattern == 0
+    rows = [MetricRow("max_abs", float(err.max()) if err.numel() else 0.0),
+            MetricRow("noise_floor_ratio", ratio, limit, ratio <= limit),
+            MetricRow("nonfinite_mismatch", float(pattern), 0.0, pattern == 0)]
+    msg = "" if ok else (f"{name}: CP vs 1-rank max_abs {float(err.max()):.3g} = {ratio:.3g} x the reference's noise "
+                         f"floor > {limit:g}" if pattern == 0 else f"{name}: finite pattern differs on {pattern} "
+                                                                    "elements")
+    return TensorResult(**base, verdict="pass" if ok else "fail", rule="noise", message=msg, metrics=rows)
+
+
+def _cp(case: Case, runner, ulps: float) -> list:
+    """Oracle ``cp``: the run at CP = N (the ambient ``--cp``, else :data:`CP_DEFAULT`) against CP = 1."""
+    use = runner.impl.optional_hook("use_context_parallel")
+    if use is None:
+        raise NotImplementedError(f"{runner.impl.name} has no context parallelism (use_context_parallel)")
+    current = runner.impl.optional_hook("context_parallel_size")
+    n = int(current()) if current is not None else 1
+    n = n if n > 1 else CP_DEFAULT
+    T = materialize(case, runner.device, dout_padding_scale=0.0)
+    with use(1):
+        base = runner(case, T)
+    with use(n):
+        var = runner(case, T)
+    precision = runner.impl.precision(case)
+    truth, noise, _ = reference_runs(case, load("reference"), T, base["topk_indices"], None, precision)
+    dtype = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
+    provider = policy_provider(runner.plan, runner.provider)
+    idx = T.real_rows.reshape(-1).nonzero().squeeze(1)
+    out = []
+    for name in dict.fromkeys(base.names + var.names):
+        a, b, t, p = var[name], base[name], truth[name], noise[name]
+        if name in base.not_provided or name in var.not_provided:
+            if (name in base.not_provided) != (name in var.not_provided):
+                out.append(TensorResult(name, tensor_class(name), "none", [], "fail", "structure",
+                                        f"{name}: provided at only one of CP = 1 and CP = {n}"))
+            continue
+        if is_row_tensor(name) and not name.startswith("grad/"):
+            a, b, t, p = (_rows(x, idx) for x in (a, b, t, p))
+        if name == "topk_indices":
+            out.append(compare(f"cp{n}:{name}", case, a, b, "exact", ulps))
+            continue
+        tol = runner.policy.tolerance(tensor_class(name), precision, provider)
+        out.append(_noise_result(f"cp{n}:{name}", case, a, b, t, p, dtype, tol, runner.policy.scalar_numel))
+    return out
+
+
 def _thd(case: Case) -> bool:
     return isinstance(case.layout, ThdLayout)
 
@@ -375,6 +462,7 @@ _ORACLE_CHECKS = {
     "capacity": (lambda c: _thd(c) and c.config.compress_ratio > 1, _capacity),
     "identical-segments": (_multi, _identical_segments),
     "determinism": (lambda c: True, _determinism),
+    "cp": (_thd, _cp),
     "graph-replay": (lambda c: _thd(c) and bool(graph_replay.repackings(c.layout)), _graph_replay),
 }
 #: every oracle, named and summarised in :data:`parity.names.ORACLE_SUMMARIES` (what the CLI lists without torch)

@@ -22,6 +22,7 @@ ORACLE_SUMMARIES = {
     "capacity": "a compressed-row capacity equals the exact count",
     "identical-segments": "segments with equal leading rows give equal rows",
     "determinism": "two runs are bit-identical (padding rows included)",
+    "cp": "with N context-parallel ranks (--cp N, default 2) equals CP = 1 within the noise floor (THD)",
     "graph-replay": "a CUDA graph replayed on other packings equals eager (CUDA only)",
 }
 

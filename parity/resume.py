@@ -32,7 +32,7 @@ from cases.suites import load_suite
 
 #: command-line dest -> key of the run row's ``options``
 RECORDED_OPTIONS = {"impl": "impl", "against": "against", "provider": "provider", "device": "device",
-                    "require": "require", "policy": "policy_path"}
+                    "require": "require", "policy": "policy_path", "cp": "cp"}
 SELECTION_OPTIONS = ("suite", "case", "case_id", "limit")
 
 

@@ -202,7 +202,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
             "argv": list(config.argv), "env": environment(device),
             "options": asdict(opts), "workers": workers, "devices": [s.device for s in slots],
             "threads": threads, "selection": config.selection or {},
-            "planned": [c.id for c in cases], **_impl_info(opts.impl, opts.provider)}])
+            "planned": [c.id for c in cases], **_impl_info(opts.impl, opts.provider, opts.cp)}])
     writer = results.ResultsWriter(path)
     if config.link is not None:
         point_link(config.link, out_dir)  # from its start, `latest` names this run
@@ -291,11 +291,13 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     return counts, code
 
 
-def _impl_info(name: str, provider: Optional[str] = None) -> dict:
+def _impl_info(name: str, provider: Optional[str] = None, cp: int = 1) -> dict:
     """``{"impl_info": ...}`` for the run row when the implementation describes itself (revision, the run
-    provider's stand-ins)."""
+    provider's stand-ins; with ``--cp`` described inside its context-parallel context)."""
     try:
-        info = load_impl(name).describe(provider)
+        impl = load_impl(name)
+        with impl.parallel(cp):
+            info = impl.describe(provider)
     except Exception as exc:  # noqa: BLE001 — the run row is informative; the cases report real problems
         return {"impl_info": {"error": str(exc)}}
     return {"impl_info": info} if info else {}

@@ -12,13 +12,17 @@ dtype production computes a case in (float32 islands in float64 runs); ``raised_
 exception arose inside production's own code (that revision's behaviour: a ``fail``, not an ``error``);
 ``describe()`` — Megatron's revision and the
 stand-ins in use (the run row); ``known_deviations`` — the registry of production behaviour that differs from the
-contract (``known_deviations.json``, :mod:`parity.known`); ``TOPK_TIE_RULE = "arbitrary"`` (``torch.topk``
-among exact ties).
+contract (``known_deviations.json``, :mod:`parity.known`; an entry holds at the CP sizes its ``cp`` lists, default
+``[1]``); ``use_context_parallel(n)`` — the calls inside run production's THD context-parallel branch with ``n``
+rank processes (``--cp N``, :mod:`adapters.megatron.cp`), ``context_parallel_size()`` the current ``n``;
+``TOPK_TIE_RULE = "arbitrary"`` (``torch.topk`` among exact ties).
 
 Where Megatron comes from: ``DSV4_MEGATRON`` (set by ``--megatron PATH``) or the pinned snapshot
 (:mod:`adapters.megatron.source`).
 """
 
+from .cp import size as context_parallel_size
+from .cp import use_context_parallel
 from .layer import attention_layer, core_attention
 from .kernel_calls import observe_kernels
 from .providers import available_providers, describe, gate_paths, provider_name, use_backend
@@ -69,13 +73,17 @@ def precision(case) -> str:
 
 
 __all__ = ["MegatronSourceError", "TOPK_TIE_RULE", "attention_layer", "available_providers", "check_ready",
-           "core_attention", "describe", "gate_paths", "known_deviations", "observe_kernels", "precision",
-           "provider_name", "raised_in_own_code", "use_backend"]
+           "context_parallel_size", "core_attention", "describe", "gate_paths", "known_deviations", "observe_kernels",
+           "precision", "provider_name", "raised_in_own_code", "use_backend", "use_context_parallel"]
 
 
 def known_deviations() -> list:
-    """The committed registry (``known_deviations.json``) of production behaviour that differs from the contract."""
+    """The committed registry (``known_deviations.json``) of production behaviour that differs from the contract:
+    the entries that hold at the current CP size (an entry's ``cp``, default ``[1]``: production's 1-rank path)."""
     import json
     from pathlib import Path
 
-    return json.loads(Path(__file__).with_name("known_deviations.json").read_text(encoding="utf-8"))["entries"]
+    from .cp import size
+
+    entries = json.loads(Path(__file__).with_name("known_deviations.json").read_text(encoding="utf-8"))["entries"]
+    return [e for e in entries if size() in e.get("cp", [1])]

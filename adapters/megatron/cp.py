@@ -354,6 +354,15 @@ def run(scope: str, inputs: Mapping[str, torch.Tensor], params: Mapping[str, tor
     return out, call
 
 
+def compressed_offsets(packed: PackedSeqParams, ratio: int, rows: int) -> torch.Tensor:
+    """Per row of the pack, the sequence-major index of its sequence's first compressed row (``cu_seqlens_compressed
+    [seq]``, segments by their padded boundaries; a row past the last boundary takes the last segment's)."""
+    padded = packed.cu_seqlens_q_padded.to(torch.int64)
+    comp = torch.cat((padded.new_zeros(1), torch.cumsum((padded[1:] - padded[:-1]) // ratio, 0)))
+    seq = torch.bucketize(torch.arange(rows, dtype=torch.int64), padded[1:], right=True)
+    return comp[seq.clamp_max(max(padded.shape[0] - 2, 0))]
+
+
 def output(call: _Call, out: torch.Tensor, config: ModelConfig, packed: PackedSeqParams):
     """The :class:`~adapters.megatron.layer.MegatronOutput` of a CP call (``topk`` in the contract's form)."""
     from .layer import MegatronOutput
@@ -368,9 +377,14 @@ def output(call: _Call, out: torch.Tensor, config: ModelConfig, packed: PackedSe
     if config.has_indexer:
         ids = call.gathered("cp_topk")
         topk = None if ids is None else recorders.contract_topk(ids, config.dsa_indexer_topk)
+        width = int(packed.max_seqlen_q) // config.compress_ratio
         scores = call.gathered("fused_scores")
-        if scores is not None and scores.shape[-1] != int(packed.max_seqlen_q) // config.compress_ratio:
+        if scores is not None and scores.shape[-1] != width:
             scores = None
+        if scores is None and call.gathered("cp_scores") is not None:  # unfused: by sequence-major row -> local id
+            scores = recorders.thd_scores_to_local(call.gathered("cp_scores").unsqueeze(0),
+                                                   compressed_offsets(packed, config.compress_ratio,
+                                                                      call.part.rows), width)
         if scores is None and topk is not None:
             not_provided["index_scores"] = ("production's CP top-k (cp_utils.compute_cp_indexer_topk) returns the "
                                             "selection only")

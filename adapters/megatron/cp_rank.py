@@ -194,16 +194,35 @@ def _cp_utils(mg):
 
 
 class _TopkRecorder:
-    """``cp_utils.compute_cp_indexer_topk`` recording its selection (per-sequence compressed ids, this rank's rows)."""
+    """``cp_utils.compute_cp_indexer_topk`` recording its selection (per-sequence compressed ids, this rank's rows)
+    and, on production's unfused path, the masked score chunks it hands ``torch.topk`` (``[rows, sequence-major
+    compressed rows]``: production's own tensors, read as they pass, never recomputed)."""
 
     def __init__(self, original):
         self.original, self.seen = original, {}
 
     def __call__(self, *args, **kwargs):
-        topk, layout = self.original(*args, **kwargs)
+        chunks: list = []
+        with _TopkInputs(chunks, active=not kwargs.get("use_fused", False)):
+            topk, layout = self.original(*args, **kwargs)
         if topk is not None:
             self.seen["cp_topk"] = topk.detach().clone()
+            if chunks:
+                self.seen["cp_scores"] = torch.cat(chunks, dim=0)
         return topk, layout
+
+
+class _TopkInputs(torch.overrides.TorchFunctionMode):
+    """Keeps a detached copy of the first argument of every ``torch.topk`` call inside the block."""
+
+    def __init__(self, chunks: list, active: bool):
+        super().__init__()
+        self.chunks, self.active = chunks, active
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.active and func is torch.topk and args:
+            self.chunks.append(args[0].detach().clone())
+        return func(*args, **(kwargs or {}))
 
 
 class _BranchRecorder:

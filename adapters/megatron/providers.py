@@ -161,7 +161,10 @@ def describe(provider: Optional[str] = None) -> dict:
     used = list(mg.standins)
     if not mg.has_te:
         used.append("plain-linear (no TransformerEngine)")
-    used.append("process-group (1-rank gloo)")
+    from . import cp  # noqa: PLC0415 — cp imports this module
+
+    used.append("process-group (1-rank gloo)" if cp.size() == 1 else
+                f"process-group ({cp.size()}-rank gloo CP group over a FileStore, 1-rank tp)")
     used.append("no-weight-init (perform_initialization=False: every parameter is the case's own, by name)")
     declared = {}
     if not torch.cuda.is_available():
@@ -177,10 +180,14 @@ def describe(provider: Optional[str] = None) -> dict:
         declared = {"architecture": f"sm{major}{minor}"}
     if name == "cudnn":
         used += [f"cudnn: {note}" for note in real_kernels.STANDINS]
+    parallel = {}
+    if cp.size() > 1:  # production's THD CP branch over N rank processes, and its stand-ins
+        parallel = {"cp": cp.describe(cp.size())}
+        used += [f"cp: {note}" for note in parallel["cp"]["standins"]]
     return {"revision": mg.source.revision, "upstream_revision": _upstream(mg.source),
             "megatron_root": str(mg.source.root), "megatron_origin": mg.source.origin,
             "api_generation": mg.generation.name, "provider": name, "standins": used, "te": mg.has_te, **declared,
-            **({"kernels": real_kernels.versions()} if name == "cudnn" else {})}
+            **({"kernels": real_kernels.versions()} if name == "cudnn" else {}), **parallel}
 
 
 @functools.lru_cache(maxsize=None)
