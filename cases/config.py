@@ -16,6 +16,10 @@ from typing import Any, Mapping
 from .errors import CaseError, require
 
 COMPRESS_RATIOS = (0, 4, 128)
+#: Production switches that select which of production's code runs, not the math (the reference and ``fused``
+#: ignore them; ``--impl megatron`` passes them to its config). Serialised only when not at their default, so the ids
+#: of the cases that leave them alone are unchanged.
+PRODUCTION_SWITCHES = {"apply_rope_fusion": False}
 #: The CSA ratio: the only one with a lightning indexer (whose own compressor runs at it too) and an overlapping
 #: compressor (channel factor 2).
 INDEXER_RATIO = 4
@@ -52,6 +56,8 @@ class ModelConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     layernorm_epsilon: float = 1e-6
+    #: production's fused MLA RoPE (a Triton kernel: CUDA only), a :data:`PRODUCTION_SWITCHES` entry
+    apply_rope_fusion: bool = False
 
     # ---- derived quantities (spec §0) -------------------------------------------------------------------------
     @property
@@ -127,7 +133,11 @@ class ModelConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        for name, default in PRODUCTION_SWITCHES.items():
+            if data[name] == default:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], prefix: str = "config") -> "ModelConfig":

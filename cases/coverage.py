@@ -49,6 +49,9 @@ FEATURES: dict[str, str] = {
     "identical_segments": "THD: two segments of identical real and padded length",
     "capacity": "THD compressed-row capacity: n/a / none / exact / production / over",
     "padding_dout": "output gradient on THD padding rows: n/a (none) / zero (layer) / random (core) / poison (huge)",
+    "loss_coeff": "indexer loss coefficient: zero (a real training value: the indexer keeps zero gradients) / positive "
+                  "/ n/a (no loss)",
+    "rope_fusion": "production's apply_rope_fusion (its fused Triton MLA RoPE: CUDA only)",
 }
 
 
@@ -84,6 +87,8 @@ def features(case: Case) -> dict[str, Value]:
     }
     f.update(_packing_features(layout, r))
     f["padding_dout"] = _padding_dout(case)
+    f["loss_coeff"] = "n/a" if case.loss_mode == "none" else ("zero" if c.dsa_indexer_loss_coeff == 0 else "positive")
+    f["rope_fusion"] = c.apply_rope_fusion
     return f
 
 

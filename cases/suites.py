@@ -142,6 +142,57 @@ def production_cases(seed: int) -> list[Case]:
     return out
 
 
+# ---- production switches: explicit cases appended to smoke and gate (the generated cases are unchanged) ------------
+def _switch_case(profile: str, ratio: int, layout, dtype: str, label: str, seed: int, scope: str = "layer",
+                 **changes) -> Case:
+    prof = get_profile(profile)
+    return Case(config=prof.config(ratio, **changes), layout=layout, dtype=dtype, training=True, scope=scope,
+                seed=Rng(seed, "switches", label).seed(), device=prof.device, profile=profile, tags=(label,))
+
+
+def _packed(*segments: tuple[int, int]):
+    """A THD layout of ``(real, padded)`` segments, no slack: under context parallelism its ragged segments straddle
+    the ranks' row slices at N = 2 and 4."""
+    return build_layout([Segment(r, p) for r, p in segments])
+
+
+def smoke_switch_cases(seed: int) -> list[Case]:
+    """``dsa_indexer_loss_coeff = 0`` (a real training value; production's contract: the indexer keeps zero gradients)
+    on THD (sparse and dense loss; at ``--cp 2`` / ``4`` too) and BSHD, tiny shapes."""
+    return [
+        _switch_case("tiny", 4, _packed((13, 16), (30, 32), (21, 24)), "float32", "loss_coeff=0 thd sparse", seed,
+                     dsa_indexer_loss_coeff=0.0, dsa_indexer_topk=8),
+        _switch_case("tiny", 4, _packed((20, 20), (27, 28)), "bfloat16", "loss_coeff=0 thd dense", seed,
+                     dsa_indexer_loss_coeff=0.0, dsa_indexer_use_sparse_loss=False),
+        _switch_case("tiny", 4, BshdLayout(2, 20), "float32", "loss_coeff=0 bshd sparse", seed,
+                     dsa_indexer_loss_coeff=0.0),
+    ]
+
+
+def gate_switch_cases(seed: int) -> list[Case]:
+    """Production's fused MLA RoPE (``apply_rope_fusion``, Triton: the GPU gate only) at r = 0 / 4 / 128, BSHD and THD,
+    layer and core scope; ``dsa_indexer_loss_coeff = 0`` on THD and BSHD; kernel shapes, bf16."""
+    thd = _packed((700, 704), (1000, 1024), (300, 320))
+    out = [_switch_case("kernel", r, thd, "bfloat16", f"apply_rope_fusion thd r={r}", seed, apply_rope_fusion=True)
+           for r in (0, 4, 128)]
+    out.append(_switch_case("kernel", 4, BshdLayout(1, 1024), "bfloat16", "apply_rope_fusion bshd r=4", seed,
+                            apply_rope_fusion=True))
+    out.append(_switch_case("kernel", 4, thd, "bfloat16", "apply_rope_fusion thd core r=4", seed, scope="core",
+                            apply_rope_fusion=True))
+    out.append(_switch_case("kernel", 4, thd, "bfloat16", "loss_coeff=0 thd sparse", seed,
+                            dsa_indexer_loss_coeff=0.0))
+    out.append(_switch_case("kernel", 4, BshdLayout(1, 1024), "bfloat16", "loss_coeff=0 bshd sparse", seed,
+                            dsa_indexer_loss_coeff=0.0))
+    return out
+
+
+SMOKE_SWITCH_CELLS = _c("loss_coeff=zero layout=thd loss=sparse", "loss_coeff=zero layout=thd loss=dense",
+                        "loss_coeff=zero layout=bshd")
+GATE_SWITCH_CELLS = cells(rope_fusion=[True], ratio=["0", "4", "128"]) + cells(rope_fusion=[True],
+                                                                              layout=["bshd", "thd"]) \
+    + _c("rope_fusion=true scope=core", "loss_coeff=zero layout=thd", "loss_coeff=zero layout=bshd")
+
+
 # ---- suite registry --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Part:
@@ -161,6 +212,7 @@ class SuiteSpec:
     parts: tuple[Part, ...] = ()
     build: Optional[Callable[[], list[Case]]] = None  # explicit suites (production)
     extra_cells: tuple[Cell, ...] = ()
+    extra: Optional[Callable[[], list[Case]]] = None  # explicit cases appended after the generated parts
 
     @property
     def required_cells(self) -> list[Cell]:
@@ -177,9 +229,11 @@ class SuiteSpec:
 
 SUITES: dict[str, SuiteSpec] = {
     "smoke": SuiteSpec("smoke", 1, "CPU smoke: tiny shapes, every layout / ratio / loss / dtype / packing feature",
-                       parts=(Part("tiny", 20240601, 48, tuple(SMOKE_CELLS)),)),
+                       parts=(Part("tiny", 20240601, 48, tuple(SMOKE_CELLS)),),
+                       extra_cells=tuple(SMOKE_SWITCH_CELLS), extra=lambda: smoke_switch_cases(20240601)),
     "gate": SuiteSpec("gate", 1, "GPU PR gate: kernel shapes (sm90), bfloat16",
-                      parts=(Part("kernel", 20240602, 220, tuple(GATE_CELLS)),)),
+                      parts=(Part("kernel", 20240602, 220, tuple(GATE_CELLS)),),
+                      extra_cells=tuple(GATE_SWITCH_CELLS), extra=lambda: gate_switch_cases(20240602)),
     "nightly": SuiteSpec("nightly", 1, "Nightly: broad tiny and kernel cases",
                          parts=(Part("tiny", 20240603, 320, tuple(NIGHTLY_TINY_CELLS)),
                                 Part("kernel", 20240604, 220, tuple(GATE_CELLS)))),
@@ -242,6 +296,8 @@ def build_suite(name: str) -> list[Case]:
         cases += spec.build()
     for part in spec.parts:
         cases += generate(PROFILES[part.profile], part.seed, part.count, part.cells)
+    if spec.extra is not None:
+        cases += spec.extra()
     ids = [c.id for c in cases]
     if len(set(ids)) != len(ids):
         raise CaseError(f"suites.{name}", "two cases share an id")

@@ -29,7 +29,9 @@ Rule ``noise`` (``cp``): ``max|a - b| / (max|noise - truth| + ulps·eps·max|tru
 ``noise_floor_ratio`` (``parity/policy.json``; per element for scalar-like tensors, as the verdict), where ``truth``
 / ``noise`` are the reference's float64 / working-precision runs with ``b``'s top-k: a CP run may only differ from
 the 1-rank run by what the reference itself loses to rounding (reductions cut across ranks, gradients summed
-over them).
+over them). A tensor on which the 1-rank run itself fails that rule against ``truth`` is no baseline: it is not
+compared (rule ``baseline``, the ratio recorded; ``run`` judges it against the reference), and a case whose 1-rank
+run raises is ``unsupported`` (e.g. a registered production crash at CP = 1).
 
 Rule ``exact``: every compared element bit-identical (``n_diff == 0``). Rule ``ulp``: ``max|a - b|`` at most
 ``ulps · eps(dtype) · max|b|`` (policy ``metamorphic.<dtype>.ulps``) — the two runs differ only in buffer shapes
@@ -416,7 +418,10 @@ def _cp(case: Case, runner, ulps: float) -> list:
     n = n if n > 1 else CP_DEFAULT
     T = materialize(case, runner.device, dout_padding_scale=0.0)
     with use(1):
-        base = runner(case, T)
+        try:
+            base = runner(case, T)
+        except Exception as exc:  # noqa: BLE001 — the baseline itself cannot run: nothing to compare with
+            raise _Unjudged(f"cp: the 1-rank baseline cannot run ({one_line(exc)})") from None
     with use(n):
         var = runner(case, T)
     precision = runner.impl.precision(case)
@@ -438,8 +443,20 @@ def _cp(case: Case, runner, ulps: float) -> list:
             out.append(compare(f"cp{n}:{name}", case, a, b, "exact", ulps))
             continue
         tol = runner.policy.tolerance(tensor_class(name), precision, provider)
+        anchor = _noise_result(name, case, b, t, t, p, dtype, tol, runner.policy.scalar_numel)
+        if anchor.verdict == "fail" and anchor.rule == "noise":
+            ratio = next(m.value for m in anchor.metrics if m.metric == "noise_floor_ratio")
+            out.append(TensorResult(f"cp{n}:{name}", anchor.tensor_class, anchor.dtype, anchor.shape, "pass",
+                                    "baseline", f"not compared: the 1-rank run deviates from the reference here "
+                                                f"({ratio:.3g} x its noise floor; `run` judges it)",
+                                    [MetricRow("baseline_noise_floor_ratio", ratio)]))
+            continue
         out.append(_noise_result(f"cp{n}:{name}", case, a, b, t, p, dtype, tol, runner.policy.scalar_numel))
     return out
+
+
+class _Unjudged(NotImplementedError):
+    """An oracle that cannot judge the case (reported ``unsupported`` with the reason)."""
 
 
 def _thd(case: Case) -> bool:

@@ -1,7 +1,10 @@
 """Rule 1 of the verdict: exact structural checks of an implementation's run (no tolerance).
 
 * presence parity: a tensor (loss, top-k, a gradient) exists in both runs or in neither (a missing gradient equals
-  an all-zero one: autograd returns None for a leaf the graph does not reach);
+  an all-zero one: autograd returns None for a leaf the graph does not reach) — except the indexer's parameters at
+  indexer-loss coefficient 0 (a real training value): wherever the reference has them they must be present and
+  exactly 0 (production's contract, its CP test ``test_thd_cp_zero_indexer_loss_keeps_indexer_grads``: a zero loss
+  still marks every indexer parameter ready for data-parallel reduction, else an overlapped DDP waits forever);
 * identical metadata: shape and dtype equal to the same-dtype reference's; inputs, parameters and the THD
   ``cu_seqlens`` tensors left unmodified;
 * finiteness: ``out`` / ``lse`` on real rows, every gradient, the loss; no NaN anywhere in the scores, and the
@@ -24,6 +27,18 @@ from cases.tensors import CaseTensors
 
 from .location import first_where, row_mask
 from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, on_host, other_rows, real_rows, role, scores_of
+
+
+INDEXER_GRADS = "grad/core_attention.indexer."
+
+
+def zero_coeff_problems(grad) -> list[str]:
+    """An indexer parameter's gradient at indexer-loss coefficient 0: present and exactly 0 (module docstring)."""
+    if grad is None:
+        return ["no gradient at indexer loss coefficient 0: the indexer must keep its (zero) gradients, so that "
+                "data-parallel training still marks the parameter ready"]
+    nonzero = int((grad != 0).sum())
+    return [f"{nonzero} non-zero elements at indexer loss coefficient 0"] if nonzero else []
 
 
 def _fmt_dtype(x: torch.Tensor) -> str:
@@ -79,6 +94,7 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
     slack = torch.tensor([k == "slack" for k in tensors.row_kinds], dtype=torch.bool) if tensors.row_kinds else None
     for what in impl.mutated:
         problems["*"].append(f"the implementation modified {what} in place")
+    zero_coeff = case.computes_loss and case.config.dsa_indexer_loss_coeff == 0
     host = on_host(impl.tensors)  # every check below reads host copies, made in one go
     truth_scores = on_host({n: truth[n] for n in truth.names if role(n) == "index_scores"})
 
@@ -86,6 +102,10 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
         if name in impl.not_provided:
             continue  # the implementation declares it has no such tensor (reported on the case row)
         a, e = impl[name], expect[name]
+        if zero_coeff and name.startswith(INDEXER_GRADS) and e is not None:
+            problems[name] += zero_coeff_problems(a)
+            if a is None or problems[name]:
+                continue
         if (a is None) != (e is None):
             present = a if a is not None else e
             if name.startswith("grad/") and not bool((present != 0).any()):

@@ -66,7 +66,7 @@ def transformer_config(mg: Megatron, config: ModelConfig, dtype: torch.dtype, ba
         csa_compress_rotary_base=c.csa_compress_rotary_base, rotary_scaling_factor=c.rotary_scaling_factor,
         original_max_position_embeddings=c.original_max_position_embeddings, beta_fast=c.beta_fast,
         beta_slow=c.beta_slow, layernorm_epsilon=c.layernorm_epsilon, normalization="RMSNorm", qk_layernorm=True,
-        add_bias_linear=False, apply_rope_fusion=False, params_dtype=dtype,
+        add_bias_linear=False, apply_rope_fusion=c.apply_rope_fusion, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
         # every parameter is the harness's (functional_call by name, checked by layer.py): production's random
         # initialisation of the linears would only be overwritten (stand-in ``no-weight-init``)
@@ -114,6 +114,9 @@ def build(mg: Megatron, config: ModelConfig, dtype: torch.dtype, backend: str, d
     if key in _CACHE:
         _CACHE[key] = _CACHE.pop(key)  # most recently used last
         return _CACHE[key]
+    if config.apply_rope_fusion and (device != "cuda" or not standins.has_module("triton")):
+        raise Unsupported("apply_rope_fusion: production's fused MLA RoPE is a Triton kernel "
+                          "(megatron/core/fusions/fused_mla_yarn_rope_apply.py): it needs CUDA and triton")
     used = []
     specs = mg.modules["megatron.core.models.gpt.experimental_attention_variant_module_specs"]
     spec_utils = __import__("megatron.core.transformer.spec_utils", fromlist=["build_module"])
