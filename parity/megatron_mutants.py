@@ -10,7 +10,9 @@ iff every mutant was killed. A patch that no longer applies (upstream moved the 
 skipped.
 
 The catalogue (:data:`MUTANTS`): the seed's three review bugs in the fused THD code, and more across production's
-PyTorch and fused paths. Each names the providers that execute its code and the smoke cases that reach it.
+PyTorch and fused paths. Each names the providers that execute its code and the smoke cases that reach it. A
+context-parallel mutant (``cp > 1``) runs its cases at that CP size, and on the same cases the ``cp`` metamorphic
+oracle (CP = N against CP = 1): its outcome is recorded per mutant (``oracle``), and the clean tree's must pass.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ from cases.suites import load_suite
 from parity.engine import RunOptions, configure_torch, run_case
 from parity.impls import load
 from parity.names import MEGATRON_MUTANTS_OUT, MUTANTS_NAME
+from parity.metamorphic import run_oracle
 
 #: where ``mutants --impl megatron`` writes without ``--out`` (not the fused suite's folder)
 DEFAULT_OUT = MEGATRON_MUTANTS_OUT
 
 VARIANT = "megatron/core/transformer/experimental_attention_variant"
 FUSED = f"{VARIANT}/csa_utils/fused_sparse_attention.py"
+CP_UTILS = f"{VARIANT}/csa_utils/cp_utils.py"
 CSA = f"{VARIANT}/csa.py"
 HYBRID = f"{VARIANT}/deepseek_v4_hybrid_attention.py"
 #: the provider that runs production's fused path on a CPU; a mutant it executes also runs on the real kernels
@@ -58,7 +62,9 @@ class Mutant:
     ``gpu_cases`` (``gate`` ids, small enough for a CPU to check them with the emulated provider declaring
     the GPU's capability) kill it. ``unreachable`` = ``((sm major, why), ...)``: architectures where production never
     runs the mutated code (its config validation refuses every case that would), reported ``not reachable``.
-    ``no_gate_case``: why a fused-path mutant has no ``gpu_cases`` (reported ``no gate case``: not killed)."""
+    ``no_gate_case``: why a fused-path mutant has no ``gpu_cases`` (reported ``no gate case``: not killed).
+    ``cp``: the context-parallel size its cases run at (``--cp``; > 1: production's THD CP branch over that many
+    gloo ranks, the CPU plan only — a GPU plan runs one GPU)."""
 
     name: str
     description: str
@@ -71,6 +77,7 @@ class Mutant:
     gpu_cases: tuple[str, ...] = ()
     unreachable: tuple[tuple[int, str], ...] = ()
     no_gate_case: str = ""
+    cp: int = 1
 
 
 #: why the THD dense-loss backward never runs on an sm90 GPU: its only caller is Path B with the dense indexer loss
@@ -136,6 +143,29 @@ MUTANTS: tuple[Mutant, ...] = (
            "    loss = kl_per_row.sum() if calculate_per_token_loss else kl_per_row.mean() * 1.1\n"
            "    return loss_coeff * loss\n",
            ("emulated",), ("f2ceea9c0311", "339801b464f2"), nth=0, gpu_cases=("ff44cb580cf3",)),
+    # ---- the THD context-parallel branch (--cp 2: two gloo ranks) ----------------------------------------------
+    Mutant("cp_boundary_exchange_sends_head", "CP boundary exchange: each rank sends its first D_window hidden rows "
+           "to the next rank instead of its last", CP_UTILS, "send_tail = tensor[-d_window:].contiguous()",
+           "send_tail = tensor[:d_window].contiguous()", ("unfused", "emulated"), ("ab101a5d94c2", "03836235949d"),
+           cp=2),
+    Mutant("cp_boundary_kv_rope_offset", "CP rank offset: the boundary + local KV rows roped from the rank's first "
+           "row instead of D_window rows before it (unfused RoPE)", HYBRID,
+           "                        global_start - boundary_rows,\n                        self.config,\n",
+           "                        global_start,\n                        self.config,\n",
+           ("unfused", "emulated"), ("ab101a5d94c2", "03836235949d"), cp=2),
+    Mutant("cp_indexer_loss_over_buffer_rows", "CP indexer loss (unfused): the mean divided by every row of the CP "
+           "buffer instead of the real rows", CSA, "                loss_divisor = cu_seqlens_q_unpadded[-1]\n",
+           "                loss_divisor = l_local * cp_size\n", ("unfused",), ("f2ceea9c0311", "ab101a5d94c2"),
+           cp=2),
+    Mutant("cp_zero_coeff_drops_indexer_loss", "CP indexer loss skipped at coefficient 0: the indexer gets no "
+           "gradient (production's contract: zero gradients, for data-parallel readiness)", CSA,
+           "use_indexer_loss = training_with_grad and compressed_topk is not None",
+           "use_indexer_loss = training_with_grad and compressed_topk is not None and indexer_loss_coeff > 0",
+           ("unfused", "emulated"), ("51ed1802b744", "acbefb051d6e"), cp=2),
+    Mutant("cp_dense_indexer_k_grad_row_dropped", "fused CP dense indexer loss: the sequence-major K gradient of the "
+           "compressed row stored in rank-major slot 0 dropped (valid rows > 0 instead of >= 0)", FUSED,
+           "valid_rows = indexer_rank_map >= 0", "valid_rows = indexer_rank_map > 0", ("emulated",),
+           ("d24945063d10", "adeb5cfbf5cf"), cp=2),
 )
 
 #: clean-tree outcomes a kill can start from (``known``: production matches the registered deviation's model)
@@ -171,7 +201,7 @@ def scratch_copy(root: Path, into: Path) -> Path:
 
 # ---- child process: run cases on one tree ---------------------------------------------------------------------
 def _child(tree: str, jobs: list, plan: dict) -> list:
-    """``[{case_id, provider, outcome, message}]`` for ``jobs`` = ``[(provider, case_id), ...]`` on ``tree``: the
+    """``[{case_id, provider, cp, outcome, message}]`` for ``jobs`` = ``[(provider, case_id, cp), ...]`` on ``tree``: the
     cases of ``plan["suite"]`` on ``plan["device"]``; ``plan["stand_in_capability"]`` (the CPU preview of a GPU
     plan) is the device capability the emulated provider declares."""
     os.environ["DSV4_MEGATRON"] = tree
@@ -182,11 +212,15 @@ def _child(tree: str, jobs: list, plan: dict) -> list:
     cases = {c.id: c for c in load_suite(plan["suite"])}
     impl, ref = load("megatron"), load("reference")
     out = []
-    for provider, case_id in jobs:
-        r = run_case(cases[case_id], impl, ref, RunOptions(impl="megatron", provider=provider, device=plan["device"]))
+    for provider, case_id, cp in jobs:
+        options = RunOptions(impl="megatron", provider=provider, device=plan["device"], cp=cp)
+        with impl.parallel(cp):
+            r = run_case(cases[case_id], impl, ref, options)
+            oracle = run_oracle("cp", cases[case_id], impl, options) if cp > 1 else None
         first = r.first_failure or {}
-        out.append({"case_id": case_id, "provider": provider, "outcome": r.outcome, "message": r.message[:300],
-                    "tensor": first.get("tensor"), "check": first.get("rule")})
+        out.append({"case_id": case_id, "provider": provider, "cp": cp, "outcome": r.outcome,
+                    "message": r.message[:300], "tensor": first.get("tensor"), "check": first.get("rule"),
+                    **({"oracle": oracle.outcome, "oracle_message": oracle.message[:200]} if oracle else {})})
     return out
 
 
@@ -224,14 +258,15 @@ class Plan:
         return f"sm{self.capability[0]}{self.capability[1]}" if self.capability else "cpu"
 
     def covers(self, mutant: Mutant) -> bool:
-        return self.provider is None or FUSED_PATH in mutant.providers
+        return self.provider is None or (FUSED_PATH in mutant.providers and mutant.cp == 1)
 
     def providers(self, mutant: Mutant) -> tuple[str, ...]:
         return mutant.providers if self.provider is None else (self.provider,)
 
     def jobs(self, mutant: Mutant) -> list:
+        """``(provider, case_id, cp)`` per run of ``mutant``."""
         cases = mutant.cases if self.provider is None else mutant.gpu_cases
-        return [(p, c) for p in self.providers(mutant) for c in cases]
+        return [(p, c, mutant.cp) for p in self.providers(mutant) for c in cases]
 
     def unreachable(self, mutant: Mutant) -> Optional[str]:
         """Why production never runs ``mutant``'s code at this plan's capability (None: it does)."""
@@ -269,6 +304,7 @@ class Outcome:
     seconds: float = 0.0
     tensor: Optional[str] = None  # killed: the first failing tensor of the killing case, and the rule that failed it
     check: Optional[str] = None
+    oracle: Optional[str] = None  # a CP mutant: the cp oracle's outcome on its cases ("fail" on some, else "pass")
 
     def row(self, plan: "Plan") -> dict:
         """One ``mutants.jsonl`` row: the kill matrix's fields (``reports.mutants``; ``status`` folded into its
@@ -279,7 +315,7 @@ class Outcome:
         return {"mutant": self.name, "status": folded, "case_id": self.case_id, "tensor": self.tensor,
                 "check": self.check, "detail": self.status, "impl": "megatron", "provider": self.provider,
                 "plan": f"{plan.provider or 'cpu'} ({plan.arch})", "message": self.message,
-                "seconds": round(self.seconds, 1)}
+                "seconds": round(self.seconds, 1), **({"oracle": self.oracle} if self.oracle else {})}
 
 
 def write_row(path: Path, outcome: Outcome, plan: "Plan") -> None:
@@ -303,9 +339,12 @@ def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=pri
 
     with tempfile.TemporaryDirectory(prefix="dsv4-megatron-mutants-") as tmp:
         clean_jobs = sorted({job for m in chosen for job in plan.jobs(m)})
-        clean = {(r["provider"], r["case_id"]): r
+        clean = {(r["provider"], r["case_id"], r["cp"]): r
                  for r in (run_child(source_root, clean_jobs, plan.child()) if clean_jobs else [])}
-        not_clean = [f"{p}/{c}: {r['outcome']}" for (p, c), r in clean.items() if r["outcome"] not in CLEAN]
+        not_clean = [f"{p}/{c}{f' --cp {n}' if n > 1 else ''}: {r['outcome']}" for (p, c, n), r in clean.items()
+                     if r["outcome"] not in CLEAN]
+        not_clean += [f"{p}/{c} --cp {n}: cp oracle {r['oracle']} ({r.get('oracle_message', '')})"
+                      for (p, c, n), r in clean.items() if r.get("oracle", "pass") != "pass"]
         echo(f"clean: {len(clean) - len(not_clean)}/{len(clean)} (provider, case) runs pass or are known"
              + (f"; not clean (cannot kill): {', '.join(not_clean)}" if not_clean else ""))
         outcomes = []
@@ -328,7 +367,8 @@ def run_suite(source_root: Path, names: Optional[Sequence[str]] = None, echo=pri
                 outcomes.append(Outcome(mutant.name, "not applied", message=str(exc)))
                 tell(outcomes[-1])
                 continue
-            jobs = [job for job in plan.jobs(mutant) if clean[job]["outcome"] in CLEAN]
+            jobs = [job for job in plan.jobs(mutant) if clean[job]["outcome"] in CLEAN
+                    and clean[job].get("oracle", "pass") == "pass"]
             if not jobs:
                 outcomes.append(Outcome(mutant.name, "no clean case"))
             else:
@@ -347,10 +387,12 @@ def _judge(mutant: Mutant, providers: Sequence[str], jobs: list, results: list) 
             kills.setdefault(r["provider"], r)
     missed = [p for p in providers if p not in kills]
     first = next(iter(kills.values()), None)
+    oracles = [r["oracle"] for r in results if "oracle" in r]
     return Outcome(mutant.name, "survived" if missed else "killed",
                    ", ".join(f"{r['case_id']} ({p})" for p, r in kills.items()) or None, ",".join(kills),
                    f"not killed on {', '.join(missed)} ({len(jobs)} runs)" if missed else first["message"],
-                   tensor=None if missed else first.get("tensor"), check=None if missed else first.get("check"))
+                   tensor=None if missed else first.get("tensor"), check=None if missed else first.get("check"),
+                   oracle=(("fail" if any(o in ("fail", "error") for o in oracles) else "pass") if oracles else None))
 
 
 def _unreachable(mutant: Mutant, why: str, clean: list, plan: Plan) -> Outcome:
@@ -368,7 +410,8 @@ def _unreachable(mutant: Mutant, why: str, clean: list, plan: Plan) -> Outcome:
 def describe(o: Outcome) -> str:
     head = f"{o.status.upper():<12} {o.name:<34}"
     if o.status == "killed":
-        return f"{head} {o.case_id}  {o.message[:100]}  ({o.seconds:.0f} s)"
+        oracle = f"  [cp oracle: {o.oracle}]" if o.oracle else ""
+        return f"{head} {o.case_id}  {o.message[:100]}{oracle}  ({o.seconds:.0f} s)"
     return f"{head} {o.message}"
 
 

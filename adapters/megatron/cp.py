@@ -23,8 +23,12 @@ data-parallel training reduces them. The harness then judges them against the re
 the normal rules — never against a per-rank re-implementation. The harness's leaves get the gradients through one
 autograd function (:class:`_Bridge`) whose backward sends ``dO`` to the ranks.
 
-Where: CPU, gloo. A case on another device, or a BSHD case (production: "DSv4 Hybrid with CP requires
-qkv_format='thd'"), is ``unsupported``.
+Where: the CPU over ``gloo`` (every rank's tensors on the CPU; the CuTeDSL layout kernels' stand-ins), or CUDA over
+``nccl`` with rank ``r`` alone on the ``r``-th visible GPU and the real kernels (not run on this project's machines
+yet: issue 34). A BSHD case (production: "DSv4 Hybrid with CP requires qkv_format='thd'"), or a CUDA case with fewer
+GPUs than ranks, is ``unsupported``: NCCL refuses two ranks of one communicator on one GPU, and gloo moves no CUDA
+tensor point to point (``send`` / ``recv`` / ``all_gather`` are CPU-only for gloo, torch.distributed's backend
+table), so production's unchanged collectives cannot run N ranks on one GPU.
 """
 
 from __future__ import annotations
@@ -140,25 +144,28 @@ def _slices(t: torch.Tensor, part: Partition) -> list[torch.Tensor]:
 
 # ---- the rank pool ----------------------------------------------------------------------------------------------------
 class Pool:
-    """``n`` rank processes over one gloo group, started once per process (and CP size) and reused."""
+    """``n`` rank processes over one process group, started once per process (and CP size, device) and reused:
+    ``gloo`` on the CPU, ``nccl`` on CUDA with rank ``r`` on the ``r``-th visible GPU."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, device: str = "cpu"):
+        self.n, self.device = n, device
+        backend = "nccl" if device == "cuda" else "gloo"
         self.dir = tempfile.mkdtemp(prefix="dsv4-cp-")
         address = os.path.join(self.dir, "socket")
         key = secrets.token_bytes(16)
         self.listener = Listener(address, family="AF_UNIX", authkey=key)
-        env = dict(os.environ, **{AUTHKEY_ENV: key.hex(), "CUDA_VISIBLE_DEVICES": "",
-                                  "OMP_NUM_THREADS": os.environ.get("DSV4_CP_THREADS", "1")})
+        env = dict(os.environ, **{AUTHKEY_ENV: key.hex(), "OMP_NUM_THREADS": os.environ.get("DSV4_CP_THREADS", "1")})
         env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        gpus = visible_gpus() if device == "cuda" else []
         self.logs = [os.path.join(self.dir, f"rank{r}.log") for r in range(n)]
         self.procs = []
         for r in range(n):
+            rank_env = dict(env, CUDA_VISIBLE_DEVICES=gpus[r] if gpus else "")
             with open(self.logs[r], "wb") as log:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "adapters.megatron.cp_rank", address, str(r), str(n),
-                     os.path.join(self.dir, "store"), str(COLLECTIVE_TIMEOUT_S)],
-                    env=env, cwd=str(PROJECT_ROOT), stdout=subprocess.DEVNULL, stderr=log))
+                     os.path.join(self.dir, "store"), str(COLLECTIVE_TIMEOUT_S), backend],
+                    env=rank_env, cwd=str(PROJECT_ROOT), stdout=subprocess.DEVNULL, stderr=log))
         self.conns: dict[int, object] = {}
         self.standins: list[str] = []
         try:
@@ -241,16 +248,24 @@ def _message(info) -> str:
     return f"{info.get('type', 'Error')}: {info.get('message', '')}{where}"
 
 
-_POOLS: dict[int, Pool] = {}
+_POOLS: dict[tuple, Pool] = {}
 
 
-def pool(n: int) -> Pool:
-    """The live pool of ``n`` ranks (started on first use, restarted after a broken run)."""
-    found = _POOLS.get(n)
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries (one per CP rank on CUDA)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and listed.strip():
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def pool(n: int, device: str = "cpu") -> Pool:
+    """The live pool of ``n`` ranks on ``device`` (started on first use, restarted after a broken run)."""
+    found = _POOLS.get((n, device))
     if found is None or not found.alive():
         if found is not None:
             found.close()
-        _POOLS[n] = found = Pool(n)
+        _POOLS[(n, device)] = found = Pool(n, device)
     return found
 
 
@@ -266,29 +281,31 @@ class _Call:
     """One production call at CP ``n``: the forward request, then (through :class:`_Bridge`) the backward."""
 
     def __init__(self, scope: str, names: list[str], n_inputs: int, config: ModelConfig, provider: str,
-                 training: bool, packed: PackedSeqParams, rows: int):
+                 training: bool, packed: PackedSeqParams, rows: int, device: torch.device):
         self.scope, self.names, self.n_inputs = scope, names, n_inputs
         self.config, self.provider, self.training = config, provider, training
         self.part = partition(rows, size(), config)
         self.psp = {"cu_seqlens": [int(v) for v in packed.cu_seqlens_q.tolist()],
                     "cu_seqlens_padded": [int(v) for v in packed.cu_seqlens_q_padded.tolist()],
                     "max_seqlen": int(packed.max_seqlen_q)}
-        self.pool = pool(self.part.size)
+        self.device = device
+        self.pool = pool(self.part.size, device.type)
         self.records: list[dict] = []
 
     def forward(self, leaves: tuple) -> torch.Tensor:
         inputs = dict(zip(self.names[:self.n_inputs], leaves[:self.n_inputs]))
         params = {n: t.detach() for n, t in zip(self.names[self.n_inputs:], leaves[self.n_inputs:])}
-        per_rank = {n: _slices(t.detach(), self.part) for n, t in inputs.items()}
+        params = {n: t.cpu() for n, t in params.items()}
+        per_rank = {n: _slices(t.detach().cpu(), self.part) for n, t in inputs.items()}
         payloads = [{"scope": self.scope, "config": self.config.to_dict(), "provider": self.provider,
                      "training": self.training, "psp": self.psp, "params": params,
                      "inputs": {n: s[r] for n, s in per_rank.items()}} for r in range(self.part.size)]
         answers = self.pool.request("forward", payloads)
-        self.records = [a["record"] for a in answers]
-        return torch.cat([a["out"] for a in answers], dim=0)[:self.part.rows]
+        self.records = [{k: v.to(self.device) for k, v in a["record"].items()} for a in answers]
+        return torch.cat([a["out"] for a in answers], dim=0)[:self.part.rows].to(self.device)
 
     def backward(self, grad_out: torch.Tensor) -> tuple:
-        slices = _slices(grad_out.detach(), self.part)
+        slices = _slices(grad_out.detach().cpu(), self.part)
         answers = self.pool.request("backward", [{"grad_out": s} for s in slices])
         grads = []
         for name in self.names[:self.n_inputs]:
@@ -298,9 +315,10 @@ class _Call:
                 continue
             like = next(p for p in parts if p is not None)
             full = torch.cat([torch.zeros_like(like) if p is None else p for p in parts], dim=0)
-            grads.append(full[:self.part.rows])
+            grads.append(full[:self.part.rows].to(self.device))
         reduced = answers[0]["params"]
-        grads += [reduced[name] for name in self.names[self.n_inputs:]]
+        grads += [None if reduced[name] is None else reduced[name].to(self.device)
+                  for name in self.names[self.n_inputs:]]
         return tuple(grads)
 
     # ---- gathered forward tensors (layout only: concatenation, per-sequence ids -> the contract's form) ---------
@@ -338,8 +356,11 @@ def _check(packed: Optional[PackedSeqParams], like: torch.Tensor) -> None:
     if packed is None:
         raise CPUnavailable("production's context parallelism needs a THD pack (deepseek_v4_hybrid_attention.py: "
                             "\"DSv4 Hybrid with CP requires qkv_format='thd'\")")
-    if like.device.type != "cpu":
-        raise CPUnavailable(f"--cp runs its ranks over gloo on the CPU; this case runs on {like.device.type}")
+    if like.device.type == "cuda" and len(visible_gpus()) < size():
+        raise CPUnavailable(f"--cp {size()} on CUDA runs one rank per GPU over NCCL (which refuses two ranks of one "
+                            f"communicator on one GPU); {len(visible_gpus())} visible")
+    if like.device.type not in ("cpu", "cuda"):
+        raise CPUnavailable(f"--cp runs its ranks on the CPU (gloo) or on GPUs (nccl), not on {like.device.type}")
 
 
 def run(scope: str, inputs: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], config: ModelConfig,
@@ -349,7 +370,7 @@ def run(scope: str, inputs: Mapping[str, torch.Tensor], params: Mapping[str, tor
     like = next(iter(inputs.values()))
     _check(packed, like)
     names = list(inputs) + list(params)
-    call = _Call(scope, names, len(inputs), config, provider, training, packed, like.shape[0])
+    call = _Call(scope, names, len(inputs), config, provider, training, packed, like.shape[0], like.device)
     out = _Bridge.apply(call, *inputs.values(), *params.values())
     return out, call
 

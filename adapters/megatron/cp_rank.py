@@ -1,7 +1,8 @@
 """One rank of production's THD context-parallel run: a process of its own (``python -m adapters.megatron.cp_rank``),
 started by :mod:`adapters.megatron.cp` and driven over a local socket.
 
-At start the rank joins a ``gloo`` process group of ``N`` ranks (a ``FileStore`` in the pool's private directory),
+At start the rank joins a process group of ``N`` ranks (a ``FileStore`` in the pool's private directory; ``gloo`` on
+the CPU, ``nccl`` with one GPU per rank, its ``CUDA_VISIBLE_DEVICES`` set by the pool; tensors travel as CPU copies),
 makes it production's CP group (``pg_collection.cp``; ``tp`` is a 1-rank group of its own), installs the CP
 stand-ins (:mod:`adapters.megatron.cp_standins`) and answers ``ready``. Then, per request:
 
@@ -66,8 +67,10 @@ class Parallel:
 class Rank:
     """The rank's state between a forward and its backward."""
 
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, backend: str = "gloo"):
+        self.rank, self.size, self.backend = rank, size, backend
+        #: where production's tensors live: the CPU for gloo; for nccl the one GPU this process sees
+        self.device = "cuda" if backend == "nccl" else "cpu"
         self.stack: Optional[contextlib.ExitStack] = None
         self.pending: Optional[dict] = None
         self.standins: list[str] = []
@@ -80,9 +83,11 @@ class Rank:
         from .providers import megatron
 
         store = dist.FileStore(store_path, self.size)
-        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.size,
+        if self.device == "cuda":
+            torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES names this rank's GPU
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        singles = [dist.new_group([r], backend="gloo") for r in range(self.size)]
+        singles = [dist.new_group([r], backend=self.backend) for r in range(self.size)]
         build.PARALLEL = Parallel(singles[self.rank], dist.group.WORLD, self.size)
         mg = megatron()
         cp_standins.install(mg, self.standins)
@@ -102,8 +107,8 @@ class Rank:
         self.close()
         config = ModelConfig.from_dict(req["config"])
         provider = req["provider"]
-        leaves_in = {n: t.detach().clone().requires_grad_(True) for n, t in req["inputs"].items()}
-        params = {n: t.detach().clone().requires_grad_(True) for n, t in req["params"].items()}
+        leaves_in = {n: t.detach().to(self.device).clone().requires_grad_(True) for n, t in req["inputs"].items()}
+        params = {n: t.detach().to(self.device).clone().requires_grad_(True) for n, t in req["params"].items()}
         stack = contextlib.ExitStack()
         self.stack = stack
         stack.enter_context(providers.use_backend(provider))
@@ -127,8 +132,8 @@ class Rank:
         if not branch.calls:
             raise RuntimeError("production's THD CP branch (CompressedSparseAttention._forward_thd_cp) did not run")
         self.pending = {"out": out, "leaves": leaves_in, "params": params}
-        recorded = {k: v for k, v in record.items() if isinstance(v, torch.Tensor)}
-        return {"out": out.detach(), "record": recorded}
+        recorded = {k: v.cpu() for k, v in record.items() if isinstance(v, torch.Tensor)}
+        return {"out": out.detach().cpu(), "record": recorded}
 
     @staticmethod
     def _core(built, config, leaves: dict, params: dict, psp, prefix: str, cp_utils) -> torch.Tensor:
@@ -155,21 +160,21 @@ class Rank:
         if self.pending is None:
             raise RuntimeError("backward without a forward")
         out, leaves, params = self.pending["out"], self.pending["leaves"], self.pending["params"]
-        dout = req["grad_out"].to(out.dtype)
+        dout = req["grad_out"].to(device=out.device, dtype=out.dtype)
         inputs = list(leaves.values()) + list(params.values())
         grads = torch.autograd.grad(out, inputs, grad_outputs=dout, allow_unused=True)  # inside the provider context
         names_in = list(leaves)
-        in_grads = {n: (None if g is None else g.detach()) for n, g in zip(names_in, grads[:len(names_in)])}
+        in_grads = {n: (None if g is None else g.detach().cpu()) for n, g in zip(names_in, grads[:len(names_in)])}
         reduced = {}
         for name, param, g in zip(params, params.values(), grads[len(names_in):]):
-            present = torch.tensor([0 if g is None else 1], dtype=torch.int32)
+            present = torch.tensor([0 if g is None else 1], dtype=torch.int32, device=self.device)
             dist.all_reduce(present, op=dist.ReduceOp.MAX)
             if not int(present):
                 reduced[name] = None
                 continue
             total = torch.zeros_like(param) if g is None else g.detach().clone()
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            reduced[name] = total
+            reduced[name] = total.cpu()
         self.close()
         return {"inputs": in_grads, "params": reduced if self.rank == 0 else None}
 
@@ -247,9 +252,10 @@ def main(argv: list[str]) -> int:
     from multiprocessing.connection import Client
 
     address, rank, size, store_path, timeout_s = argv[0], int(argv[1]), int(argv[2]), argv[3], float(argv[4])
+    backend = argv[5] if len(argv) > 5 else "gloo"
     torch.set_num_threads(int(os.environ.get("DSV4_CP_THREADS", "1") or 1))
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
-    state = Rank(rank, size)
+    state = Rank(rank, size, backend)
     try:
         state.start(store_path, timeout_s)
         send(conn, ("ready", rank, list(state.standins)))

@@ -35,16 +35,17 @@ def _mutant(name):
 def test_every_fused_path_mutant_names_gate_cases_a_cpu_can_check():
     gate = {c.id: c for c in load_suite("gate")}
     gate_cpu = {c.id for c in load_suite("gate-cpu")}
-    fused = [m for m in mm.MUTANTS if mm.FUSED_PATH in m.providers]
+    fused = [m for m in mm.MUTANTS if mm.FUSED_PATH in m.providers and m.cp == 1]
     assert {m.name for m in fused} >= set(SEEDS)
     for m in fused:
         assert (1 <= len(m.gpu_cases) <= 2) != bool(m.no_gate_case), m.name
         assert set(m.gpu_cases) <= set(gate), m.name
         assert (set(m.gpu_cases) <= gate_cpu) == (m.name not in BEYOND_GATE_CPU or not m.gpu_cases), m.name
         assert all(gate[c].layout.num_tokens <= LARGER_GATE_CASE.get(m.name, 160) for c in m.gpu_cases), m.name
-    # only the fused path's mutants name gate cases (the unfused provider never runs on the real kernels)
+    # only the fused path's 1-rank mutants name gate cases (the unfused provider never runs on the real kernels; a
+    # CP mutant needs several GPUs, which the one-GPU plan has not)
     assert all(not (m.gpu_cases or m.unreachable or m.no_gate_case) for m in mm.MUTANTS
-               if mm.FUSED_PATH not in m.providers)
+               if mm.FUSED_PATH not in m.providers or m.cp > 1)
 
 
 def test_the_dense_loss_seed_is_declared_unreachable_on_sm90_only():
@@ -60,15 +61,24 @@ def test_the_dense_loss_seed_is_declared_unreachable_on_sm90_only():
 # ---- plans ------------------------------------------------------------------------------------------------------
 def test_plans_choose_cases_providers_and_device():
     m = _mutant("invalid_comp_rows_by_count")
-    assert mm.CPU_PLAN.jobs(m) == [(p, c) for p in m.providers for c in m.cases]
+    assert mm.CPU_PLAN.jobs(m) == [(p, c, 1) for p in m.providers for c in m.cases]
     gpu = mm.gpu_plan((9, 0))
-    assert gpu.jobs(m) == [("cudnn", c) for c in m.gpu_cases]
+    assert gpu.jobs(m) == [("cudnn", c, 1) for c in m.gpu_cases]
     assert gpu.child() == {"suite": "gate", "device": "cuda", "stand_in_capability": None}
     preview = mm.preview_plan((9, 0))
-    assert preview.jobs(m) == [("emulated", c) for c in m.gpu_cases]
+    assert preview.jobs(m) == [("emulated", c, 1) for c in m.gpu_cases]
     assert preview.child() == {"suite": "gate", "device": "cpu", "stand_in_capability": [9, 0]}
     unfused_only = _mutant("sink_dropped_unfused")
     assert mm.CPU_PLAN.covers(unfused_only) and not gpu.covers(unfused_only)
+
+
+def test_context_parallel_mutants_run_at_their_cp_size_on_the_cpu_plan_only():
+    cp = [m for m in mm.MUTANTS if m.cp > 1]
+    assert len(cp) >= 3 and all(m.cp == 2 for m in cp)
+    for m in cp:  # the CPU plan runs each case at the mutant's CP size; a one-GPU plan cannot run CP at all
+        assert mm.CPU_PLAN.jobs(m) == [(p, c, 2) for p in m.providers for c in m.cases]
+        assert not mm.gpu_plan((9, 0)).covers(m) and not mm.preview_plan((9, 0)).covers(m)
+    assert mm.gpu_plan((9, 0)).covers(_mutant("invalid_comp_rows_by_count"))  # control: a 1-rank fused one is
 
 
 def _args(**kw):
@@ -98,8 +108,8 @@ def _row(case_id, outcome, provider="cudnn", message=""):
 def test_a_mutant_no_case_fails_survives():
     m = _mutant("fake_bshd_view_over_batch")
     jobs = mm.gpu_plan((9, 0)).jobs(m)
-    assert mm._judge(m, ("cudnn",), jobs, [_row(c, "pass") for _, c in jobs]).status == "survived"
-    assert mm._judge(m, ("cudnn",), jobs, [_row(c, "unsupported") for _, c in jobs]).status == "survived"
+    assert mm._judge(m, ("cudnn",), jobs, [_row(c, "pass") for _, c, _ in jobs]).status == "survived"
+    assert mm._judge(m, ("cudnn",), jobs, [_row(c, "unsupported") for _, c, _ in jobs]).status == "survived"
     killed = mm._judge(m, ("cudnn",), jobs, [_row(jobs[0][1], "fail", message="grad/x: rel_l2 fails")])
     assert killed.status == "killed" and killed.message == "grad/x: rel_l2 fails"
 

@@ -19,7 +19,10 @@ and, for the metamorphic oracles:
 * ``pad_value_leak``: ``out`` gets a term in the mean of ``hidden`` over padding rows;
 * ``capacity_dependent``: ``out`` depends on ``total_comp_capacity``;
 * ``nondeterministic``: ``out`` gets fresh unseeded noise of 1e-6 on every call;
-* ``pad_dout_leak``: padding rows of ``out`` get a term in ``hidden``, so their dO reaches real rows' gradients.
+* ``pad_dout_leak``: padding rows of ``out`` get a term in ``hidden``, so their dO reaches real rows' gradients;
+* ``detached_indexer_loss``: the loss without its graph (at loss coefficient 0: no indexer gradient at all);
+* ``cp_exact`` / ``cp_rank_term``: a ``use_context_parallel`` hook (the ``cp`` oracle's); at CP > 1 the first is the
+  base unchanged, the second adds a term to the rows of the second half of the pack (a rank-offset bug).
 """
 
 from __future__ import annotations
@@ -287,3 +290,50 @@ class BackwardRaises(Wrapped):
 
 reference_backward_raises = BackwardRaises("reference")
 reference_python_backward_raises = BackwardRaises("reference", python=True)
+
+
+class ContextParallel(Wrapped):
+    """The base with a ``use_context_parallel`` hook; at CP > 1, ``term`` is added to ``out``'s second-half rows."""
+
+    def __init__(self, base: str, term: float = 0.0):
+        super().__init__(base, term=term)
+        self.cp = 1
+
+    def use_context_parallel(self, n):
+        import contextlib
+
+        @contextlib.contextmanager
+        def block():
+            before, self.cp = self.cp, int(n)
+            try:
+                yield
+            finally:
+                self.cp = before
+
+        return block()
+
+    def context_parallel_size(self):
+        return self.cp
+
+    def after(self, res, hidden, psp):
+        if self.cp == 1 or not self.options["term"]:
+            return res
+        rows = hidden.shape[0]
+        return _term(res, torch.where(torch.arange(rows, device=hidden.device) >= rows // 2,
+                                      self.options["term"], 0.0))
+
+
+reference_cp_exact = ContextParallel("reference")
+reference_cp_rank_term = ContextParallel("reference", term=1e-3)
+
+
+class DetachedIndexerLoss(Wrapped):
+    """The indexer loss returned without its graph: at coefficient 0 the indexer parameters then get no gradient."""
+
+    def after(self, res, hidden, psp):
+        if res.indexer_loss is not None:
+            res.indexer_loss = res.indexer_loss.detach()
+        return res
+
+
+reference_detached_indexer_loss = DetachedIndexerLoss("reference")

@@ -51,7 +51,19 @@ def test_oracles_decline_cases_they_do_not_apply_to():
         assert not applicable(name, bshd)
         assert check(name, "reference", bshd).outcome == "unsupported"
     assert applicable("determinism", bshd)
-    assert set(ORACLES) == {c[0] for c in CASES} | {"graph-replay", "padding-dout"}  # test_graph_replay.py, test_padding_dout.py
+    # test_graph_replay.py, test_padding_dout.py, and cp below (production's CP: tests/adapters/test_megatron_cp.py)
+    assert set(ORACLES) == {c[0] for c in CASES} | {"graph-replay", "padding-dout", "cp"}
+
+
+def test_the_cp_oracle_needs_context_parallelism_and_catches_a_rank_offset_term():
+    case = pick(layout="thd", ratio="4", loss="sparse", scope="layer", dtype="float32")
+    assert check("cp", "reference", case).outcome == "unsupported"  # no use_context_parallel hook
+    exact = check("cp", "tests.parity.fakes:reference_cp_exact", case)
+    assert exact.outcome == "pass", exact.message
+    assert {t.rule for t in exact.tensors} >= {"noise", "exact"}  # floats by the noise floor, the top-k exactly
+    broken = check("cp", "tests.parity.fakes:reference_cp_rank_term", case)
+    assert broken.outcome == "fail" and broken.first_failure["tensor"] == "cp2:out", broken.message
+    assert not applicable("cp", pick(layout="bshd", ratio="0", dtype="float32"))
 
 
 def test_oracle_from_the_cli(tmp_path, capsys):
