@@ -30,7 +30,7 @@ import os
 import pickle
 import sys
 import traceback
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
