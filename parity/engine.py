@@ -189,6 +189,7 @@ class CaseRuns:
     policy: policy_mod.Policy
     provider: str  # the policy's provider key
     tie_rule: str
+    cp_layout: Optional[dict] = None  # the implementation's context-parallel partition of the pack (--cp N), or None
 
     def reference(self, tensors, with_loss: bool = True) -> tuple:
         """``(truth, noise)`` of the reference on other ``tensors`` (the implementation's top-k, no sign-split)."""
@@ -200,7 +201,7 @@ class CaseRuns:
         """``(tensor results, top-k report, outcome, decided_by, first_failure, message)`` of the implementation
         against ``expect`` (a :class:`parity.known_models.Expectation`; the contract's is ``truth`` / ``noise``)."""
         problems = structure.check(self.case, self.tensors, self.impl, expect.noise, expect.truth,
-                                   padding_grads=expect.padding_grads)
+                                   padding_grads=expect.padding_grads, slack_forward_free=expect.slack_forward_free)
         case_problems = problems.pop("*", [])
         out, report = verdict.judge_case_tensors(self.case, self.tensors, self.impl, expect.truth, expect.noise,
                                                  problems, self.policy, self.provider, self.tie_rule, self.precision,
@@ -284,7 +285,8 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
                       raised=known.raised(exc) if stage.startswith(impl.name) else None)
 
     runs = CaseRuns(case, against, tensors, impl_snap, truth, noise, contract_snap, impl_snap["topk_indices"],
-                    precision, policy, policy_provider(impl_snap.record, provider), impl.tie_rule(impl_snap.record))
+                    precision, policy, policy_provider(impl_snap.record, provider), impl.tie_rule(impl_snap.record),
+                    impl.cp_layout(case) if options.cp > 1 else None)
     try:
         with clock("compare"):
             tensors_out, report, outcome, decided_by, first, message = runs.judge(

@@ -20,7 +20,9 @@ An implementation is an object (usually a module) exposing the public API of ARC
 * ``describe()`` — a dict for the run row (e.g. the revision of the code under test and the stand-ins in use);
 * ``known_deviations()`` — the registry of known behaviour that differs from the contract (:mod:`parity.known`);
 * ``use_context_parallel(n)`` — a context manager running the calls inside it with ``n`` context-parallel ranks
-  (``--cp N``; megatron: production's THD CP branch over ``n`` rank processes).
+  (``--cp N``; megatron: production's THD CP branch over ``n`` rank processes);
+* ``context_parallel_layout(case)`` — how the current CP ranks partition ``case`` (``{"size", "local", "d_window"}``,
+  None at one rank): what a known deviation's model of the CP branch needs (:mod:`parity.known_models`).
 """
 
 from __future__ import annotations
@@ -152,6 +154,14 @@ class Implementation:
             return {}
         takes = provider is not None and "provider" in inspect.signature(fn).parameters
         return dict(fn(provider=provider) if takes else fn())
+
+    def cp_layout(self, case) -> Optional[dict]:
+        """How the implementation partitions ``case`` over its current context-parallel ranks (its
+        ``context_parallel_layout(case)`` hook: ``{"size", "local", "d_window"}``, see
+        :class:`parity.known_models.ModelContext`), or None (no hook, or one rank)."""
+        fn = self.optional_hook("context_parallel_layout")
+        found = fn(case) if fn is not None else None
+        return dict(found) if found else None
 
     def parallel(self, cp: int) -> ContextManager:
         """The context running this implementation with ``cp`` context-parallel ranks (``--cp``; 1: a no-op);

@@ -197,7 +197,12 @@ def matches(entry: dict, feats: dict, provider: str, arch: str, revision: str) -
 # ---- crashes: the exception type and production's raising frame ------------------------------------------------------
 def raised(exc: BaseException) -> dict:
     """What a crash matcher compares: the exception's class names (its MRO) and the raising frame, the innermost
-    frame outside torch and site-packages (``file`` the full path, ``function``, ``line``)."""
+    frame outside torch and site-packages (``file`` the full path, ``function``, ``line``). An exception that carries
+    ``remote_raised`` (the code under test ran in another process, e.g. a context-parallel rank) gives that
+    process's exception and frame instead."""
+    remote = getattr(exc, "remote_raised", None)
+    if isinstance(remote, dict) and remote.get("type"):
+        return dict(remote)
     frame = None
     for f in reversed(traceback.extract_tb(exc.__traceback__)):
         if "/site-packages/" not in f.filename and "/torch/" not in f.filename:
@@ -309,7 +314,8 @@ class _Judged:
 
 
 def _judgements(runs, entries: list[dict]) -> tuple[list[_Judged], object]:
-    ctx = known_models.ModelContext(runs.case, runs.tensors, runs.reference)
+    ctx = known_models.ModelContext(runs.case, runs.tensors, runs.reference,
+                                       cp_layout=getattr(runs, "cp_layout", None))
     base = known_models.Expectation.of_contract(runs.truth, runs.noise)
     out = []
     for size in range(len(entries), 0, -1):
@@ -372,7 +378,8 @@ def _flag_fixed(result, entries: list[dict], runs) -> None:
     """A passing case: the entries whose model the implementation no longer matches are flagged ``fixed?``."""
     if runs is None:
         return
-    ctx = known_models.ModelContext(runs.case, runs.tensors, runs.reference)
+    ctx = known_models.ModelContext(runs.case, runs.tensors, runs.reference,
+                                       cp_layout=getattr(runs, "cp_layout", None))
     base = known_models.Expectation.of_contract(runs.truth, runs.noise)
     gone = [e for e in entries if _Judged(runs, ctx, base, [e]).outcome != "pass"]
     _fixed(result, gone)

@@ -14,7 +14,10 @@ An :class:`Expectation` holds
   and no loss term (tensor ``contract/padding_dout``, :mod:`parity.padding_dout`); ``None`` is the contract: every
   gradient exactly 0;
 * ``padding_grads``: gradients on padding rows are expected (a model that keeps the padding rows' ``dO``): the input
-  gradients are then judged numerically on every row instead of "exactly 0 on padding rows" plus real rows only.
+  gradients are then judged numerically on every row instead of "exactly 0 on padding rows" plus real rows only;
+* ``slack_forward_free``: the forward values of slack rows (past the last boundary, in no sequence) are not the
+  contract's ``0`` / ``-inf`` and are not predicted (rows nothing reads; forward tensors are judged on real rows);
+  what those rows inject into the gradients is modelled exactly.
 
 A model gets the expectation and a :class:`ModelContext` (the case, its tensors, and ``reference(tensors,
 with_loss)``: the reference's truth and noise runs on other tensors, with the implementation's top-k, in the case's
@@ -56,6 +59,7 @@ class Expectation:
     noise: Snapshot
     contract: Optional[tuple[Snapshot, Snapshot]] = None
     padding_grads: bool = False
+    slack_forward_free: bool = False
     models: tuple[str, ...] = ()
 
     @classmethod
@@ -69,7 +73,7 @@ class Expectation:
         if self.contract is not None:
             ct = _copy(self.contract[0])
             contract = (ct, ct if self.contract[1] is self.contract[0] else _copy(self.contract[1]))
-        return Expectation(truth, noise, contract, self.padding_grads, self.models)
+        return Expectation(truth, noise, contract, self.padding_grads, self.slack_forward_free, self.models)
 
     def main(self) -> list[Snapshot]:
         """The distinct main-run snapshots (one when ``noise`` is ``truth``)."""
@@ -93,12 +97,16 @@ class Expectation:
 class ModelContext:
     """What a model may use: the case, its materialised tensors, and ``reference(tensors, with_loss) -> (truth,
     noise)`` (the reference's runs on other tensors, with the implementation's top-k). ``cache`` keeps a model's
-    reference runs across the entry subsets :func:`parity.known.apply` tries."""
+    reference runs across the entry subsets :func:`parity.known.apply` tries. ``cp_layout``: how the implementation
+    partitioned the pack over context-parallel ranks (``{"size", "local", "d_window"}``: rank ``r`` holds rows
+    ``[r·local, (r+1)·local)`` of a buffer padded to ``size·local`` rows, its key buffer starting ``d_window`` rows
+    before them; :meth:`parity.impls.Implementation.cp_layout`), None without CP."""
 
     case: Case
     tensors: CaseTensors
     reference: Callable[..., tuple[Snapshot, Snapshot]]
     cache: dict = field(default_factory=dict)
+    cp_layout: Optional[dict] = None
 
     def once(self, key: str, make: Callable[[], object]):
         if key not in self.cache:
@@ -120,7 +128,7 @@ def _add(snap: Snapshot, extra: Snapshot) -> None:
         if not name.startswith("grad/") or g is None:
             continue
         mine = snap[name]
-        snap.tensors[name] = g.to(mine.dtype) + mine if mine is not None else g.clone()
+        snap.tensors[name] = g.to(device=mine.device, dtype=mine.dtype) + mine if mine is not None else g.clone()
 
 
 # ---- the models -----------------------------------------------------------------------------------------------------
@@ -190,6 +198,78 @@ def loss_gradient_in_every_backward(exp: Expectation, ctx: ModelContext) -> None
                 target.tensors[name] = source[name]
 
 
+def indexer_loss_over_cp_buffer_rows(exp: Expectation, ctx: ModelContext) -> None:
+    """Under context parallelism the mean indexer loss divided by every row of the CP buffer (``size × local``:
+    padding, slack and the buffer's own padding to equal rank slices included) instead of the real rows: the loss
+    and every indexer-parameter gradient times ``real rows / (size × local)`` (finding 001 in the CP branch)."""
+    lay = ctx.cp_layout
+    if not lay:
+        raise ValueError("indexer-loss-over-cp-buffer-rows needs the implementation's CP layout (a --cp N run)")
+    factor = sum(ctx.case.layout.real_lengths) / (int(lay["size"]) * int(lay["local"]))
+    for snap in exp.main() + exp.contract_runs():
+        _scale(snap, [n for n in snap.names if n == "indexer_loss" or n.startswith(INDEXER_GRADS)], factor)
+
+
+def slack_row_key(row: int, lay: dict) -> int:
+    """The global row of key 0 of the key buffer of the rank holding ``row`` (``rank·local - d_window``; negative:
+    rank 0's boundary, zero rows before the pack)."""
+    return (row // int(lay["local"])) * int(lay["local"]) - int(lay["d_window"])
+
+
+def _slack_attention(q, key, sink, scale: float):
+    """One slack row attending one key and the sink: ``q [H, D]``, ``key [D]``, ``sink [H]`` -> ``out [H, D]``
+    (``V = K``), ``lse [H]`` (without the sink)."""
+    logit = (q @ key) * scale
+    weight = torch.sigmoid(logit - sink)  # exp(l) / (exp(l) + exp(sink))
+    return weight.unsqueeze(-1) * key, logit
+
+
+def cp_slack_rows_attend_rank_key_0(exp: Expectation, ctx: ModelContext) -> None:
+    """Under context parallelism a slack row (past the last boundary) attends key 0 of its rank's key buffer (the
+    global row :func:`slack_row_key`) and the sink, with length 1, where the contract gives it no key: its forward
+    values are not the contract's (``slack_forward_free``), and the ``dO`` it carries (core scope: random) flows,
+    exactly, into ``grad/query`` of the slack row, ``grad/kv`` of that key row and the sink's gradient —
+    ``out = sigmoid(l - sink) · kv[g]``, ``l = softmax_scale · q·kv[g]`` in float64, differentiated at the case's
+    ``dO`` (added to the main run's gradients and to the padding-row contract run's, which carries the same ``dO``).
+    At layer scope the slack rows' ``dO`` is 0 and the gradients stay the contract's."""
+    lay = ctx.cp_layout
+    if not lay:
+        raise ValueError("cp-slack-rows-attend-rank-key-0 needs the implementation's CP layout (a --cp N run)")
+    exp.slack_forward_free = True
+    kinds = ctx.tensors.row_kinds or []
+    slack = [i for i, kind in enumerate(kinds) if kind == "slack"]
+    d_out = ctx.tensors.grad_output
+    if not slack or ctx.case.scope != "core" or not bool((d_out[slack] != 0).any()):
+        return
+    extra = ctx.once("cp-slack-rows", lambda: _slack_gradients(ctx, slack, lay))
+    for snap in exp.main():
+        _add(snap, extra)
+    ct, cn = exp.ensure_contract()
+    _add(ct, extra)
+    if cn is not ct:
+        _add(cn, extra)
+    exp.padding_grads = True
+
+
+def _slack_gradients(ctx: ModelContext, slack: list[int], lay: dict) -> Snapshot:
+    """The gradients the slack rows' ``dO`` injects (:func:`cp_slack_rows_attend_rank_key_0`), float64."""
+    inputs, params = ctx.tensors.inputs, ctx.tensors.params
+    sink_name = "core_attention.attn_sink" if "core_attention.attn_sink" in params else "attn_sink"
+    query = inputs["query"].detach().to(torch.float64).requires_grad_(True)
+    kv = inputs["kv"].detach().to(torch.float64).requires_grad_(True)
+    sink = params[sink_name].detach().to(torch.float64).requires_grad_(True)
+    d_out = ctx.tensors.grad_output.detach().to(torch.float64)
+    scale = float(ctx.case.config.softmax_scale)
+    objective = query.new_zeros(())
+    for row in slack:
+        g = slack_row_key(row, lay)
+        key = kv[g] if g >= 0 else kv.new_zeros(kv.shape[-1])
+        out, _ = _slack_attention(query[row], key, sink, scale)
+        objective = objective + (out * d_out[row]).sum()
+    gq, gkv, gsink = torch.autograd.grad(objective, (query, kv, sink))
+    return Snapshot({"grad/query": gq, "grad/kv": gkv, f"grad/{sink_name}": gsink})
+
+
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -207,6 +287,8 @@ MODELS: dict[str, Model] = {m.name: m for m in (
     Model("padding-dout-kept", padding_dout_kept),
     Model("loss-gradient-in-every-backward", loss_gradient_in_every_backward),
     Model("indexer-loss-over-physical-rows", indexer_loss_over_physical_rows),
+    Model("indexer-loss-over-cp-buffer-rows", indexer_loss_over_cp_buffer_rows),
+    Model("cp-slack-rows-attend-rank-key-0", cp_slack_rows_attend_rank_key_0),
 )}
 
 

@@ -21,6 +21,7 @@ Where Megatron comes from: ``DSV4_MEGATRON`` (set by ``--megatron PATH``) or the
 (:mod:`adapters.megatron.source`).
 """
 
+from .cp import layout as context_parallel_layout
 from .cp import size as context_parallel_size
 from .cp import use_context_parallel
 from .layer import attention_layer, core_attention
@@ -54,6 +55,11 @@ def raised_in_own_code(exc: BaseException):
     if mg is None:
         return None
     root = str(mg.source.root) + os.sep
+    remote = getattr(exc, "remote_raised", None)  # a context-parallel rank's exception (adapters.megatron.cp)
+    if isinstance(remote, dict) and remote.get("file"):
+        name = str(remote["file"])
+        return f"{os.path.relpath(name, root)}:{remote.get('line')}" if os.path.abspath(name).startswith(root) \
+            else None
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         name = frame.filename
         if "/site-packages/" in name or "/torch/" in name:
@@ -73,7 +79,7 @@ def precision(case) -> str:
 
 
 __all__ = ["MegatronSourceError", "TOPK_TIE_RULE", "attention_layer", "available_providers", "check_ready",
-           "context_parallel_size", "core_attention", "describe", "gate_paths", "known_deviations", "observe_kernels",
+           "context_parallel_layout", "context_parallel_size", "core_attention", "describe", "gate_paths", "known_deviations", "observe_kernels",
            "precision", "provider_name", "raised_in_own_code", "use_backend", "use_context_parallel"]
 
 

@@ -71,7 +71,14 @@ class CPUnavailable(Unsupported):
 
 
 class RankError(RuntimeError):
-    """A rank raised: ``RankError("rank 1: RuntimeError: ... [csa.py:2568]")``."""
+    """A rank raised: ``RankError("rank 1: RuntimeError: ... [csa.py:2568]")``. ``remote_raised``: the rank's
+    exception type (and its classes) and raising frame (``file``, ``function``, ``line``), which
+    :func:`parity.known.raised` and :func:`adapters.megatron.raised_in_own_code` read instead of this process's
+    traceback (None when the rank died without one)."""
+
+    def __init__(self, message: str, remote_raised: Optional[dict] = None):
+        super().__init__(message)
+        self.remote_raised = remote_raised
 
 
 def size() -> int:
@@ -127,6 +134,16 @@ class Partition:
     def span(self, rank: int) -> tuple[int, int]:
         """Global rows ``[start, stop)`` of ``rank``."""
         return rank * self.local, (rank + 1) * self.local
+
+
+def layout(case) -> Optional[dict]:
+    """The harness hook ``context_parallel_layout``: the partition of ``case`` at the current CP size (``size``,
+    ``local`` rows per rank, the key buffer's ``d_window`` boundary rows), None at one rank."""
+    n = size()
+    if n == 1:
+        return None
+    part = partition(case.layout.total_tokens, n, case.config)
+    return {"size": n, "local": part.local, "d_window": d_window(case.config)}
 
 
 def partition(rows: int, n: int, config: ModelConfig) -> Partition:
@@ -210,7 +227,7 @@ class Pool:
                 self.close()  # the others may be stuck in a collective: start afresh next time
             if info.get("unsupported"):
                 raise CPUnavailable(message)
-            raise RankError(message)
+            raise RankError(message, info.get("raised") if isinstance(info, dict) else None)
         return answers
 
     def _log_tail(self, rank: int) -> str:

@@ -285,12 +285,13 @@ def _describe(exc: BaseException) -> dict:
     from cases.vocabulary import Unsupported
 
     frames = traceback.extract_tb(exc.__traceback__)
-    where = ""
+    where, raised = "", {"type": type(exc).__name__, "types": [k.__name__ for k in type(exc).__mro__]}
     for frame in reversed(frames):
         if "/torch/" not in frame.filename and "site-packages" not in frame.filename:
             where = "/".join(frame.filename.split("/")[-2:]) + f":{frame.lineno}"
+            raised.update(file=frame.filename, function=frame.name, line=frame.lineno)
             break
-    return {"type": type(exc).__name__, "message": " ".join(str(exc).split()), "where": where,
+    return {"type": type(exc).__name__, "message": " ".join(str(exc).split()), "where": where, "raised": raised,
             "unsupported": isinstance(exc, (Unsupported, NotImplementedError))}
 
 
