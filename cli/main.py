@@ -161,9 +161,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)  # a typo or --help ends here, before torch
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     args.given = given_options(parser, args.argv)
+    # --megatron reaches the worker processes as DSV4_MEGATRON, for this command only: restored when it returns (a
+    # caller that runs several commands in one process, a test or `gate`, must not see the last one's tree)
+    saved = {name: os.environ.get(name) for name in ("DSV4_MEGATRON", "DSV4_MEGATRON_ORIGIN")}
     if getattr(args, "megatron", None):
         os.environ["DSV4_MEGATRON"] = args.megatron
         os.environ["DSV4_MEGATRON_ORIGIN"] = "--megatron"  # how adapters.megatron.source names it in a message
+    try:
+        return _dispatch(args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     torch_free = getattr(args, "torch_free", False)
     try:
         precheck(args)

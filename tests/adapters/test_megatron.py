@@ -202,11 +202,11 @@ def test_an_architecture_specific_entry_reproduces_where_the_emulated_provider_d
     for entry in entries:
         arch = entry["architectures"][0].removeprefix("sm")
         major, minor = int(arch[:-1]), int(arch[-1])
-        jobs = [("emulated", cid) for cid in entry["cases"]]
+        jobs = [("emulated", cid, 1) for cid in entry["cases"]]
         for r in mutants.run_child(root, jobs, {"suite": "gate", "device": "cpu",
                                                 "stand_in_capability": [major, minor]}):
             assert r["outcome"] == "known" and f"known deviation {entry['id']}" in r["message"], r
-    default = mutants.run_child(root, [("emulated", entries[0]["cases"][0])], {"suite": "gate", "device": "cpu",
+    default = mutants.run_child(root, [("emulated", entries[0]["cases"][0], 1)], {"suite": "gate", "device": "cpu",
                                                                                "stand_in_capability": None})
     assert default[0]["outcome"] != "known" and entries[0]["id"] not in default[0]["message"], default
 

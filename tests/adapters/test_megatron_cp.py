@@ -160,16 +160,12 @@ def _run_at(case_ids, provider, n):
 def _check_registry(sizes) -> None:
     """Every entry that holds under CP reproduces on its cases at each of its CP sizes in ``sizes``, on each CPU
     provider it lists (explained by it, alone or with another entry)."""
-    from parity import known
-
     for entry in _entries():
         for n in (s for s in entry.get("cp", [1]) if s in sizes):
             for provider in [p for p in entry["providers"] if p in CPU_PROVIDERS]:
                 for cid, r in _run_at(entry["cases"], provider, n).items():
                     assert r.outcome == "known", (entry["id"], n, provider, cid, r.outcome, r.message)
-                    if r.known["id"] != entry["id"]:
-                        failed = r.__class__(**{**r.__dict__, "outcome": r.known["was"]})
-                        assert known.explains(entry, failed), (entry["id"], cid, r.known)
+                    assert entry["id"] in r.known["id"].split("+"), (entry["id"], cid, r.known)
 
 
 @needs_megatron

@@ -155,10 +155,9 @@ def test_productions_flash_mla_adapter_returns_the_bridged_lse_indexer(monkeypat
     Negative control: a bridge with a wrong partial LSE (the sink folded in) changes what production returns."""
     import importlib
 
-    from adapters.megatron import providers, recorders
+    from adapters.megatron import providers
 
-    providers.megatron()
-    fused = importlib.import_module(recorders.FUSED)
+    fused = importlib.import_module(providers.megatron().generation.fused_module_name)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
     monkeypatch.setattr(torch.cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext())
     q, kv, idx, sink = _flash_inputs(width=520)  # K = 512 + a window of 8: padded to 640 by production

@@ -14,6 +14,7 @@ LAZY = {
     ("worker", "parity.execution"): "the same",
     ("kernel_checks", "fused.kernels.flashmla_provider"): "GPU providers load only when asked for",
     ("kernel_checks", "fused.kernels.cudnn_provider"): "the same",
+    ("bisect", "parity.results"): "the parser of `dsv4-parity bisect` imports parity.bisect without torch",
 }
 
 

@@ -43,13 +43,21 @@ def test_a_broken_hook_leaves_the_exception_an_error():
     assert impls.Implementation("x", object()).raised_in_own_code(RuntimeError()) is None
 
 
-def test_an_error_entry_explains_a_raised_failure_but_not_a_numeric_one():
+def test_a_crash_entry_explains_a_raised_failure_by_type_and_frame_but_not_a_numeric_one():
     case = pick(dtype="float32", layout="bshd", ratio="0")
     entry = {"id": "e", "upstream": "x", "reason": "r", "evidence": "e", "providers": ["*"], "architectures": ["*"],
-             "revisions": ["*"], "match": {}, "expect": {"error": "scalar type Float"}}
+             "revisions": {"verified": ["d48bd6be0a"], "introduced": None, "fixed": None}, "match": {},
+             "expect": {"raises": {"type": "RuntimeError", "file": "megatron/core/x.py", "function": "f",
+                                   "lines": [5, 9]}}}
+    crash = {"type": "RuntimeError", "types": ["RuntimeError", "Exception", "BaseException", "object"],
+             "file": "/src/megatron/core/x.py", "function": "f", "line": 7}
     raised = CaseResult(case=case, outcome="fail", decided_by="raised", message="expected scalar type Float")
-    known.apply(raised, [entry], "unfused", "cpu", "rev")
+    known.apply(raised, [entry], "unfused", "cpu", "d48bd6be0a", raised=crash)
     assert raised.outcome == "known" and raised.known["was"] == "fail"
+    # controls: the same failure raised from another line; a numeric failure with the same message
+    elsewhere = CaseResult(case=case, outcome="fail", decided_by="raised", message="expected scalar type Float")
+    known.apply(elsewhere, [entry], "unfused", "cpu", "d48bd6be0a", raised=dict(crash, line=12))
+    assert elsewhere.outcome == "fail" and "not the registered crash" in elsewhere.message
     numeric = CaseResult(case=case, outcome="fail", decided_by="noise_floor", message="expected scalar type Float")
-    known.apply(numeric, [entry], "unfused", "cpu", "rev")
-    assert numeric.outcome == "fail"  # control: an error entry never explains a numeric failure
+    known.apply(numeric, [entry], "unfused", "cpu", "d48bd6be0a")
+    assert numeric.outcome == "fail"  # an error entry never explains a numeric failure
