@@ -4,6 +4,8 @@ expects an error explains both."""
 
 from __future__ import annotations
 
+import torch
+
 from parity import impls, known
 from parity.engine import RunOptions, run_case
 from parity.results import CaseResult
@@ -23,6 +25,17 @@ class RaisesInOwnCode(Raises):
 own = RaisesInOwnCode("fused")
 
 
+class RunsOutOfMemoryInOwnCode(RaisesInOwnCode):
+    def after(self, res, hidden, psp):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.97 GiB (planted)")
+
+    def raised_in_own_code(self, exc):
+        return "megatron/core/x.py:7"
+
+
+oom = RunsOutOfMemoryInOwnCode("fused")
+
+
 def test_an_exception_in_the_code_under_test_is_a_failure_and_elsewhere_an_error():
     case = pick(dtype="float32", layout="bshd", ratio="0")
     result = run_case(case, impls.load("tests.parity.test_raised:own"), REF, RunOptions())
@@ -32,6 +45,19 @@ def test_an_exception_in_the_code_under_test_is_a_failure_and_elsewhere_an_error
     # negative control: the same exception from an implementation without the hook is an error
     plain = run_case(case, impls.load("tests.parity.fakes:fused_raises"), REF, RunOptions())
     assert plain.outcome == "error"
+
+
+def test_out_of_memory_in_the_code_under_test_stays_an_error_that_a_shared_gpu_retries():
+    """Running out of device memory is the machine's condition (several workers share one GPU), not the revision's
+    behaviour: an ``error``, which the worker pool re-runs alone (:func:`parity.worker.is_out_of_memory`); the
+    control above shows the same hook making another exception a ``fail``."""
+    from parity.worker import is_out_of_memory
+
+    case = pick(dtype="float32", layout="bshd", ratio="0")
+    result = run_case(case, impls.load("tests.parity.test_raised:oom"), REF, RunOptions())
+    assert result.outcome == "error" and "out of memory" in result.message
+    row = next(r for r in result.rows() if r["type"] == "case")
+    assert is_out_of_memory(row)
 
 
 def test_a_broken_hook_leaves_the_exception_an_error():
