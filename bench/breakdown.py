@@ -289,7 +289,7 @@ def graph_replay_ms(step: Callable[[], None], repeats: int = 3) -> dict:
     warm-up on a side stream, as capture requires), or ``{"ms": None, "error": "<why the capture failed>"}``."""
     import torch
 
-    from parity.graph_replay import capture_graph
+    from parity.oracles.graph_replay import capture_graph
 
     graph = None
     try:

@@ -281,7 +281,7 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
     * ``targets``: ``name target measured unit status note``; ``findings``: ``kind function where message``;
       ``skipped``: ``what why``.
     """
-    from parity.environment import environment
+    from parity.run.environment import environment
 
     return {"schema": SCHEMA, "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "argv": list(argv), "settings": settings.to_dict(), "env": environment(settings.device),
@@ -871,7 +871,7 @@ def run_gate_section(settings: Settings, log: Callable[[str], None]) -> dict:
     ``reports/out/bench/gate-<time>``), bound by ``--gate-budget-s`` rather than ``--budget-s`` (a gate run is timed
     whole: a run that cannot start in time is skipped, one that is running is cut at the deadline)."""
     from bench.gate import gate_section
-    from parity.runner import DEFAULT_OUT_ROOT
+    from parity.run.runner import DEFAULT_OUT_ROOT
 
     g = dict(settings.gate or {})
     root = Path(g.get("dir") or DEFAULT_OUT_ROOT / "bench" / f"gate-{_dt.datetime.now():%Y%m%d-%H%M%S}")

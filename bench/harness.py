@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from parity.results import read_rows
+from parity.run.results import read_rows
 from reports.render import render_run
 
 
@@ -53,7 +53,7 @@ def harness_throughput(s: Any, log: Callable[[str], None], deadline: Optional[fl
     from cases.suites import load_suite
 
     from parity.engine import RunOptions
-    from parity.runner import RunConfig, run
+    from parity.run.runner import RunConfig, run
 
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from .errors import CaseError
 
 #: A case's outcome (``results.jsonl`` field ``outcome``): ``pass`` / ``fail`` (numeric or structural) / ``error``
 #: (an exception, a crashed worker) / ``unsupported`` (the implementation declined the case, or it needs a GPU) /
-#: ``known`` (a registered known deviation of the implementation: an expected failure, ``parity/known.py``).
+#: ``known`` (a registered known deviation of the implementation: an expected failure, ``parity/deviations/known.py``).
 OUTCOMES = ("pass", "fail", "error", "unsupported", "known")
 #: Outcomes counted even when zero (``known`` appears only when some case has it, as in the ``end`` row).
 ALWAYS_COUNTED = ("pass", "fail", "error", "unsupported")

@@ -1,5 +1,5 @@
 """``dsv4-parity bisect``: the first first-parent revision of a Megatron-LM clone where a case's verdict changes
-(:mod:`parity.bisect`). Exit 0: found, or no change in range; 1: only revisions the adapter cannot drive separate
+(:mod:`parity.history.bisect`). Exit 0: found, or no change in range; 1: only revisions the adapter cannot drive separate
 the last old from the first new one (all named); 2: a usage error (not a clone, an unknown revision, an endpoint the
 adapter cannot drive)."""
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from cases.errors import CaseError
-from parity import bisect, git_tree
+from parity.history import bisect, git_tree
 
 from cli.options import select_cases
 

@@ -119,7 +119,7 @@ def _merge_junit(parts: list[tuple[str, Path]], target: Path) -> None:
 def gate_command(args: argparse.Namespace) -> int:
     from cli.report_command import _console  # noqa: PLC0415
     from parity.impls import ImplError
-    from parity.runner import point_link
+    from parity.run.runner import point_link
     from reports.baselines import BASELINES_ROOT
     from reports.errors import ReportError
     from reports.gate import INDEX, judge, parse_baselines, print_summary, title_of, write_index, write_manifest
@@ -184,7 +184,7 @@ def gate_command(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace, tokens: list[str]) -> tuple[Path, Optional[Path], dict, list[str]]:
     """``(out_dir, link to move or None, manifest, path names)``; a resumed gate reads them back."""
     from parity.impls import load
-    from parity.runner import new_run_id, resolve_out_dir
+    from parity.run.runner import new_run_id, resolve_out_dir
     from reports.gate import read_manifest
 
     if args.resume:

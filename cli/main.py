@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 from cases.errors import CaseError
 from parity.names import ORACLE_SUMMARIES
-from parity.usage import check_run_options
+from parity.run.usage import check_run_options
 
 from cli import (bench_command, bisect_command, cache_command, cases_command, compare_runs_command, gate_command, mutants_command,
                  report_command)
@@ -188,7 +188,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        runner = sys.modules.get("parity.runner")  # not loaded: no run was interrupted
+        runner = sys.modules.get("parity.run.runner")  # not loaded: no run was interrupted
         if runner is None or not isinstance(exc, runner.Interrupted):  # the runner already said how to continue
             print("interrupted", file=sys.stderr)
         return 130

@@ -1,5 +1,5 @@
-"""``dsv4-parity mutants``: the command-line half of :mod:`parity.mutation_suite` (and, with ``--impl megatron``,
-of :mod:`parity.megatron_mutants`).
+"""``dsv4-parity mutants``: the command-line half of :mod:`parity.mutation.mutation_suite` (and, with ``--impl megatron``,
+of :mod:`parity.mutation.megatron_mutants`).
 
 Every run writes a new folder: without ``--out``, ``reports/out/<run-id>`` (``<time>-<suite>-fused-mutants``) with
 the link ``reports/out/mutants`` moved to it, as ``make parity`` moves ``reports/out/latest``; ``--out`` a symlink
@@ -21,7 +21,7 @@ from parity.names import MEGATRON_MUTANTS_OUT, MUTANTS_LINK, MUTANTS_NAME
 from cli.options import PROVIDERS, add_megatron_argument, add_selection_options
 
 DESCRIPTION = f"""\
-Mutation suite: switch on each planted bug of parity/mutants.py in turn and run the suite (fused, --provider, against
+Mutation suite: switch on each planted bug of parity/mutation/mutants.py in turn and run the suite (fused, --provider, against
 the reference, in-process). A mutant is killed by the first case that passed clean and now fails or errors;
 survived if its mutation point ran and nothing failed; unreachable if no case hits one of its reach cells
 (`--list` shows them; the missing cell is printed). Writes <out>/results.jsonl (the clean run) and
@@ -33,7 +33,7 @@ the newest. Exit 0 iff the clean run passed and every mutant was killed; the las
 def out_dir_of(out: Optional[str], run_id: str) -> tuple[Path, Optional[Path]]:
     """``(run directory, link to point at it or None)`` of a mutation run (module docstring). A real directory
     where the default link belongs (left by an older version) is kept: the run still gets a new folder."""
-    from parity.runner import resolve_out_dir, unique_sibling
+    from parity.run.runner import resolve_out_dir, unique_sibling
 
     if out:
         path = Path(out)
@@ -48,8 +48,8 @@ def out_dir_of(out: Optional[str], run_id: str) -> tuple[Path, Optional[Path]]:
 
 
 def megatron_mutants(args: argparse.Namespace) -> int:
-    """``mutants --impl megatron``: :func:`parity.megatron_mutants.main`, imported when it runs (it loads torch)."""
-    from parity.megatron_mutants import main
+    """``mutants --impl megatron``: :func:`parity.mutation.megatron_mutants.main`, imported when it runs (it loads torch)."""
+    from parity.mutation.megatron_mutants import main
 
     return main(args)
 
@@ -73,9 +73,9 @@ FUSED_ONLY = (("suite", None, "--suite"), ("case", [], "--case"), ("case_id", []
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
-    from parity import mutants
-    from parity.mutation_suite import mutation_suite
-    from parity.runner import new_run_id
+    from parity.mutation import mutants
+    from parity.mutation.mutation_suite import mutation_suite
+    from parity.run.runner import new_run_id
 
     from cli.options import select_cases
 
@@ -124,11 +124,11 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub) -> dict:
-    p = sub.add_parser("mutants", help="mutation suite: every planted bug (parity/mutants.py) must fail the suite",
+    p = sub.add_parser("mutants", help="mutation suite: every planted bug (parity/mutation/mutants.py) must fail the suite",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_selection_options(p)
     p.add_argument("--impl", default="fused", choices=("fused", "megatron"),
-                   help="fused: the planted bugs of parity/mutants.py; megatron: patches to a scratch copy of "
+                   help="fused: the planted bugs of parity/mutation/mutants.py; megatron: patches to a scratch copy of "
                         "Megatron-LM run with --impl megatron (unfused and emulated providers)")
     add_megatron_argument(p)
     p.add_argument("--mutant", action="append", metavar="NAME", help="run only this mutant (repeatable)")

@@ -91,7 +91,7 @@ def add_output_options(p: argparse.ArgumentParser) -> None:
 # ---- case selection --------------------------------------------------------------------------------------------------
 def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     """The ``dest`` of every option ``argv`` sets explicitly (parsed once more with every default suppressed): what
-    ``--resume`` checks against the recorded run (:mod:`parity.resume`)."""
+    ``--resume`` checks against the recorded run (:mod:`parity.run.resume`)."""
     saved = []
 
     def suppress(p: argparse.ArgumentParser) -> None:
@@ -153,7 +153,7 @@ def _parse_cases(items: Sequence[str]) -> list:
 def select_cases(args: argparse.Namespace) -> tuple[str, list]:
     """``(suite label, cases)`` from ``--case`` / ``--case-id`` / ``--suite`` / ``--limit``."""
     from cases.suites import load_suite, suite_names
-    from parity.runner import select
+    from parity.run.runner import select
 
     if args.case:
         label, cases = "adhoc", _parse_cases(args.case)
@@ -175,7 +175,7 @@ def select_cases(args: argparse.Namespace) -> tuple[str, list]:
             pool = load_suite(names[0])
         cases = select(pool, args.case_id, suites or None) if args.case_id else pool
     if args.limit is not None:
-        cases = cases[:args.limit]  # --limit >= 1: parity.usage.check_run_options
+        cases = cases[:args.limit]  # --limit >= 1: parity.run.usage.check_run_options
     return label, cases
 
 

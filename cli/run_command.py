@@ -2,7 +2,7 @@
 command line (this module is imported only then: it loads torch).
 
 ``run`` compares an implementation with the reference on a selection of cases, or runs a metamorphic oracle on it
-(``--oracle``); ``--resume`` continues the run recorded in ``--out`` (:mod:`parity.resume`). ``metamorphic`` runs
+(``--oracle``); ``--resume`` continues the run recorded in ``--out`` (:mod:`parity.run.resume`). ``metamorphic`` runs
 every oracle (each in ``<out>/<oracle>/``). ``calibrate`` refreshes the tolerance policy's measured worst cases.
 """
 
@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Optional
 
 from cases.errors import CaseError
-from parity import resume as resume_mod
 from parity.calibrate import calibrate
 from parity.impls import load
-from parity.memory import check_memory
-from parity.metamorphic import ORACLES, applicable
-from parity.results import summary_line
-from parity.runner import RunConfig, new_run_id, resolve_out_dir, resume_command, run
-from parity.shard import parse_workers
-from parity.usage import check_run_options
+from parity.oracles.metamorphic import ORACLES, applicable
+from parity.run import resume as resume_mod
+from parity.run.memory import check_memory
+from parity.run.results import summary_line
+from parity.run.runner import RunConfig, new_run_id, resolve_out_dir, resume_command, run
+from parity.run.shard import parse_workers
+from parity.run.usage import check_run_options
 
 from cli import report_command
 from cli.options import run_options, select_cases, selection_record
@@ -129,7 +129,7 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
     check_run_options(args)
     given = getattr(args, "given", set())
     recorded, out_dir, link = _recorded(args, out_override, link_override)
-    if recorded is not None:  # --resume continues exactly the recorded run (parity.resume)
+    if recorded is not None:  # --resume continues exactly the recorded run (parity.run.resume)
         resume_mod.apply_recorded_options(args, given, recorded, out_dir)
         oracle = resume_mod.check_oracle(oracle, given, recorded, out_dir)
         if set(given) & set(resume_mod.SELECTION_OPTIONS):

@@ -1,28 +1,32 @@
 """dsv4-parity: the parity engine — run two implementations on a case, diff every tensor, decide, stream JSONL.
 
-One module per job:
+The engine on the ground floor, its parts one floor each (no floor imports the CLI, the reports or the bench; no
+import cycle, ``tests/parity/test_imports.py``):
 
-==================  ===================================================================================================
-``snapshot``        run one implementation forward + backward on a case's tensors; the compared tensors by name
-``metrics``         per-tensor error metrics in float64 (max abs / rel, RMSE, rel L2, cosine, tensor-sim, noise-floor
-                    ratio, scale error, ...)
-``structure``       rule 1: exact structural checks (presence, shape, dtype, finiteness, padding, top-k conventions)
-``topk``            the tie-margin-aware top-k comparison
-``verdict``         the layered verdict per tensor and per case
-``location``        where a failing tensor is worst (index; THD segment, position, head) for the messages
-``policy``          the tolerance policy (``policy.json``)
-``engine``          one case: implementation, float64 truth and same-dtype noise run (split mode), then the verdict
-``metamorphic``     single-implementation oracles (THD pack, padding poison, capacity, identical segments, ...)
-``results``         the ``results.jsonl`` rows, streaming writer and resume
-``execution``       one request (case, options, oracle) run in this process: what the runner and the worker call
-``runner``          a whole run: selection, isolation, progress, summary, exit code
-``worker``          the isolated child process (one sticky CUDA fault costs one case)
-``junit``           JUnit XML from the results
-``environment``     versions / GPU / git revision of a run
-``calibrate``       the measured worst cases behind the policy
-``impls``           implementations by name (``reference``, ``fused``, ``module:attr``)
-``mutation_suite``  the mutation suite (planted bugs must fail the parity suite)
-==================  ===================================================================================================
+================  =====================================================================================================
+``engine``        one case: the implementation, the float64 truth and same-dtype noise runs (split mode), the verdict,
+                  then the known-deviation registry
+``impls``         implementations by name (``reference``, ``fused``, ``megatron``, ``module:attr``) and their hooks
+``policy``        the tolerance policy (``policy.json``, the one file of tolerances)
+``names``         the names the command line lists without loading torch (oracles, output folders)
+``run/``          running a suite: ``runner`` (selection, isolation, progress, exit code), ``worker`` / ``shard``
+                  (child processes, GPUs), ``execution`` (one request), ``results`` / ``resume`` / ``rundir`` (the
+                  stream, continuing it, the folder), ``progress``, ``environment``, ``junit``, ``memory``, ``usage``
+``judge/``        judging tensors: ``snapshot`` (one run forward + backward, tensors by name), ``metrics``,
+                  ``structure`` (rule 1), ``verdict`` (the layered rules), ``topk`` (tie margins), ``sign_split``,
+                  ``padding_dout`` (the padding-row contract), ``api_check`` (public compressor / indexer),
+                  ``location``, ``kernel_rules``
+``deviations/``   known deviations of an implementation: ``known`` (the registry: matching, revisions, outcomes) and
+                  ``known_models`` (each entry's executable model of what the implementation computes instead)
+``oracles/``      single-implementation metamorphic oracles (``metamorphic``: THD pack, padding, capacity, CP, ...;
+                  ``graph_replay``)
+``mutation/``     planted bugs the suite must catch: ``mutants`` / ``mutation_suite`` (the composition's),
+                  ``megatron_mutants`` (production's real code, patched in scratch copies)
+``history/``      production across its history: ``git_tree`` (throwaway worktrees, first-parent chains) and
+                  ``bisect`` (the first revision whose verdict changes)
+(ground floor)    ``backward_origin`` (who built a failing backward node), ``compare_runs``, ``kernel_checks`` (the
+                  GPU kernels vs the torch provider), ``calibrate``, ``seed_sweep``
+================  =====================================================================================================
 
 Library use::
 

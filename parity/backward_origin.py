@@ -2,7 +2,7 @@
 
 An error raised inside a C++ autograd node (``GatherBackward0``'s scatter, a CUDA kernel's check) carries no frame of
 the code that built that node: its traceback ends at the harness's ``torch.autograd.grad`` call
-(``parity/snapshot.py``). :func:`locate` re-runs the implementation's forward under autograd's anomaly mode (every
+(``parity/judge/snapshot.py``). :func:`locate` re-runs the implementation's forward under autograd's anomaly mode (every
 graph node then keeps the traceback of the forward call that created it, ``node.metadata["traceback_"]``), hooks
 every node of the graph (a pre-hook marks it started, a post-hook finished), runs the backward again and reads the
 forward traceback of the node that started and never finished: the failing one. The answer is the innermost frame of
@@ -27,7 +27,7 @@ import torch
 from cases.case import Case
 from cases.tensors import CaseTensors
 
-from .snapshot import INPUT_ORDER, _call, _leaf
+from parity.judge.snapshot import INPUT_ORDER, _call, _leaf
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 #: the harness's own backward call: where a C++ backward error's traceback ends
@@ -105,7 +105,7 @@ def failing_node(objective: torch.Tensor, leaves: list[torch.Tensor]) -> Optiona
 def locate(module, case: Case, tensors: CaseTensors, *,
            context: Callable[[], ContextManager], with_loss: bool = True) -> Optional[str]:
     """``"dir/file.py:function:line (NodeName)"``: the forward call whose backward node raises when
-    ``module`` runs ``case`` on ``tensors`` (as :func:`parity.snapshot.take_snapshot` runs it, in the case dtype);
+    ``module`` runs ``case`` on ``tensors`` (as :func:`parity.judge.snapshot.take_snapshot` runs it, in the case dtype);
     None when the re-run does not raise in a backward node or the node's traceback has no frame of the code under
     test."""
     inputs = {n: _leaf(t, None) for n, t in tensors.inputs.items()}

@@ -8,21 +8,21 @@ For a case of dtype ``d`` (all runs on the same device, from the same materialis
 3. ``noise`` — the reference in ``d`` with the same top-k: its distance to ``truth`` is the noise floor. For a
    float64 case it *is* ``truth`` (the floor is then the policy's few ULPs).
 
-Sign-split (:mod:`parity.sign_split`): for float32 / bf16 training cases with an indexer loss, both reference runs
+Sign-split (:mod:`parity.judge.sign_split`): for float32 / bf16 training cases with an indexer loss, both reference runs
 also take the implementation's indexer ReLU pattern (observed through its public API) where their own product is
 ambiguously near 0, so a rounding-flipped sign can neither fake nor hide an indexer-gradient difference; and they
 differentiate the indexer KL at the implementation's ``index_scores`` (score-split), so the forward rounding of the
 scores, amplified by the cancellation in ``softmax(I) - T``, is not what sets the indexer gradients' noise floor.
 
-The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.topk`), and, on
+The selection itself is judged by the tie-margin protocol against ``truth``'s scores (:mod:`parity.judge.topk`), and, on
 exactly tied rows, by the implementation's declared tie rule (:meth:`Implementation.tie_rule`).
 
 On a layer with a compressor or an indexer, the public ``compressor()`` / ``indexer()`` of both run too and join
-the snapshots as ``api/*`` tensors (:mod:`parity.api_check`).
+the snapshots as ``api/*`` tensors (:mod:`parity.judge.api_check`).
 
 When ``dO`` is non-zero on some THD padding row (core scope, ``padding_dout="poison"`` cases), the implementation
 runs a second time with ``dO`` on the padding rows only and no loss term: every gradient must be exactly 0 (tensor
-``contract/padding_dout``, rule ``contract``, :mod:`parity.padding_dout`).
+``contract/padding_dout``, rule ``contract``, :mod:`parity.judge.padding_dout`).
 
 Outcomes: ``pass`` / ``fail`` (numeric or structural), ``error`` (an exception, e.g. a CUDA fault, or a crashed
 worker), ``unsupported`` (the implementation declined the case: ``cases.vocabulary.Unsupported`` or
@@ -44,13 +44,12 @@ from cases.case import Case
 from cases.coverage import features
 from cases.tensors import materialize
 
-from . import api_check, backward_origin, padding_dout
-from . import known, known_models
-from . import policy as policy_mod
-from . import sign_split, structure, verdict
-from .impls import Implementation, is_unsupported, policy_provider
-from .results import CaseResult
-from .snapshot import take_snapshot
+from parity import backward_origin, policy as policy_mod
+from parity.deviations import known, known_models
+from parity.impls import Implementation, is_unsupported, policy_provider
+from parity.judge import api_check, padding_dout, sign_split, structure, verdict
+from parity.judge.snapshot import take_snapshot
+from parity.run.results import CaseResult
 
 
 @dataclass
@@ -156,7 +155,7 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
     Where an entry of the implementation's registry of known deviations matches the case, the case is judged again
     against the entry's deviation model: ``known`` where the implementation matches it, ``fail`` (naming the entry
     and the distance to both) where it matches neither, ``fixed?`` where it now matches the contract; a crash is
-    ``known`` only by the exception type and production's raising frame (:mod:`parity.known`)."""
+    ``known`` only by the exception type and production's raising frame (:mod:`parity.deviations.known`)."""
     result, runs, raised = _decide_case(case, impl, against, options, policy)
     entries = known.registry_for(impl)
     if entries:
@@ -179,8 +178,8 @@ def out_of_memory(exc: BaseException) -> bool:
 
 @dataclass
 class CaseRuns:
-    """The runs a case was judged on, kept so that :func:`parity.known.apply` can judge it again against a known
-    deviation's model (:mod:`parity.known_models`): the tensors, the implementation's snapshot (and its run with
+    """The runs a case was judged on, kept so that :func:`parity.deviations.known.apply` can judge it again against a known
+    deviation's model (:mod:`parity.deviations.known_models`): the tensors, the implementation's snapshot (and its run with
     ``dO`` on padding rows only, ``contract``), the reference's truth and noise, and how they were compared."""
 
     case: Case
@@ -205,7 +204,7 @@ class CaseRuns:
 
     def judge(self, expect) -> tuple:
         """``(tensor results, top-k report, outcome, decided_by, first_failure, message)`` of the implementation
-        against ``expect`` (a :class:`parity.known_models.Expectation`; the contract's is ``truth`` / ``noise``)."""
+        against ``expect`` (a :class:`parity.deviations.known_models.Expectation`; the contract's is ``truth`` / ``noise``)."""
         problems = structure.check(self.case, self.tensors, self.impl, expect.noise, expect.truth,
                                    padding_grads=expect.padding_grads, slack_forward_free=expect.slack_forward_free)
         case_problems = problems.pop("*", [])
@@ -224,7 +223,7 @@ class CaseRuns:
 def _decide_case(case: Case, impl: Implementation, against: Implementation, options: RunOptions,
                  policy: Optional[policy_mod.Policy] = None) -> tuple:
     """``(result, runs, raised)``: the case judged against the contract; the :class:`CaseRuns` it was judged on (None
-    when it did not get that far) and, for an exception, :func:`parity.known.raised` of it (else None)."""
+    when it did not get that far) and, for an exception, :func:`parity.deviations.known.raised` of it (else None)."""
     policy = policy or (policy_mod.load(options.policy_path) if options.policy_path else policy_mod.default())
     start = time.perf_counter()
     provider = impl.resolve_provider(options.provider)
@@ -365,7 +364,7 @@ def reference_runs(case: Case, against: Implementation, tensors, split: Optional
 
 def api_runs(case: Case, impl: Implementation, against: Implementation, tensors, provider: str,
              require: Optional[str], impl_snap, truth, noise, clock=None) -> None:
-    """Add the public compressor / indexer outputs (:mod:`parity.api_check`) of ``impl`` and of ``against``
+    """Add the public compressor / indexer outputs (:mod:`parity.judge.api_check`) of ``impl`` and of ``against``
     (float64 truth and same-dtype noise) to the snapshots, when the layer has them and both implementations
     expose them."""
     if not (api_check.applies(case) and api_check.has_api(impl.api) and api_check.has_api(against.api)):

@@ -7,8 +7,8 @@ An implementation is an object (usually a module) exposing the public API of ARC
 
 * ``use_activation_pattern(active, window, scores=None)`` — a context manager differentiating the indexer's ReLU
   at another implementation's activation pattern and the indexer KL at its index scores (sign- and score-split,
-  :mod:`parity.sign_split`; the reference has it);
-* ``topk_tie_rule(record)`` — the declared top-k tie rule of a run (``parity.topk.TIE_RULES``) given its plan
+  :mod:`parity.judge.sign_split`; the reference has it);
+* ``topk_tie_rule(record)`` — the declared top-k tie rule of a run (``parity.judge.topk.TIE_RULES``) given its plan
   record; without it the attribute ``TOPK_TIE_RULE``; without either ``"arbitrary"`` (only the value-based
   top-k protocol applies). ``reference`` declares ``lower-index``; ``fused`` per provider (``torch``:
   ``lower-index``, ``cudnn``: ``arbitrary``).
@@ -18,11 +18,11 @@ An implementation is an object (usually a module) exposing the public API of ARC
 * ``gate_paths(provider)`` — the providers a gate runs, one run each (``dsv4-parity gate``): the implementation's
   production paths (default: ``[provider]``);
 * ``describe()`` — a dict for the run row (e.g. the revision of the code under test and the stand-ins in use);
-* ``known_deviations()`` — the registry of known behaviour that differs from the contract (:mod:`parity.known`);
+* ``known_deviations()`` — the registry of known behaviour that differs from the contract (:mod:`parity.deviations.known`);
 * ``use_context_parallel(n)`` — a context manager running the calls inside it with ``n`` context-parallel ranks
   (``--cp N``; megatron: production's THD CP branch over ``n`` rank processes);
 * ``context_parallel_layout(case)`` — how the current CP ranks partition ``case`` (``{"size", "local", "d_window"}``,
-  None at one rank): what a known deviation's model of the CP branch needs (:mod:`parity.known_models`).
+  None at one rank): what a known deviation's model of the CP branch needs (:mod:`parity.deviations.known_models`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, P
 
 from cases.vocabulary import Unsupported
 
-from .topk import TIE_RULES
+from parity.judge.topk import TIE_RULES
 
 BUILTIN = {"reference": "reference", "fused": "fused", "megatron": "adapters.megatron"}
 
@@ -158,7 +158,7 @@ class Implementation:
     def cp_layout(self, case) -> Optional[dict]:
         """How the implementation partitions ``case`` over its current context-parallel ranks (its
         ``context_parallel_layout(case)`` hook: ``{"size", "local", "d_window"}``, see
-        :class:`parity.known_models.ModelContext`), or None (no hook, or one rank)."""
+        :class:`parity.deviations.known_models.ModelContext`), or None (no hook, or one rank)."""
         fn = self.optional_hook("context_parallel_layout")
         found = fn(case) if fn is not None else None
         return dict(found) if found else None

@@ -2,7 +2,7 @@
 
 For each production kernel call at a kernel-profile size (and a few small calls that exercise the head / index
 padding), the ``cudnn`` or ``flashmla`` provider and the ``torch`` provider run on **identical inputs**; every
-output tensor is compared with the rule :mod:`parity.kernel_rules` names for it (bounds in ``parity/policy.json``
+output tensor is compared with the rule :mod:`parity.judge.kernel_rules` names for it (bounds in ``parity/policy.json``
 ``kernels``, from cudnn-frontend's own tests, spec ``kernels.md`` §5). The same call is then captured in a CUDA graph
 and replayed (is the wrapper capture-safe?) and timed warm (median of CUDA-event timings) for both providers.
 
@@ -32,10 +32,10 @@ from fused.kernels import contracts
 from fused.kernels.base import bind_arguments
 from fused.kernels.torch_provider import TorchKernels
 
-from . import metrics
-from . import policy as policy_mod
-from .graph_replay import capture_graph
-from .kernel_rules import METRIC_KEYS, KernelRule, kernel_metrics, rule_for
+from parity import policy as policy_mod
+from parity.judge import metrics
+from parity.judge.kernel_rules import METRIC_KEYS, KernelRule, kernel_metrics, rule_for
+from parity.oracles.graph_replay import capture_graph
 
 Tensor = torch.Tensor
 BF16 = torch.bfloat16
@@ -113,7 +113,7 @@ def causal_topk(gen: Inputs, rows: int, width: int, visible: Tensor) -> Tensor:
 class Call:
     """One kernel call: ``make()`` -> ``(args, kwargs)``; ``compare(kernel_result, torch_result, args)`` -> list of
     ``(tensor name, kernel tensor, torch tensor, mask or None)``; the rule of each is
-    :func:`parity.kernel_rules.rule_for` ``(stage, tensor name)``."""
+    :func:`parity.judge.kernel_rules.rule_for` ``(stage, tensor name)``."""
 
     stage: str
     label: str

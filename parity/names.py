@@ -1,8 +1,8 @@
 """The engine's names the command line parses, checks and prints before it loads torch (this module imports only
 the standard library): where runs are written, the metamorphic oracles, the mutation suites' files.
 
-Each is defined here once; :mod:`parity.runner`, :mod:`parity.metamorphic`, :mod:`parity.mutation_suite` and
-:mod:`parity.megatron_mutants` use these (tests check that they agree).
+Each is defined here once; :mod:`parity.run.runner`, :mod:`parity.oracles.metamorphic`, :mod:`parity.mutation.mutation_suite` and
+:mod:`parity.mutation.megatron_mutants` use these (tests check that they agree).
 """
 
 from __future__ import annotations

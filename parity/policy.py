@@ -5,17 +5,17 @@ Layout::
     {"scalar_numel": 64,                      # tensors this small use the per-element ULP floor (sink grad, loss)
      "classes": {CLASS: {DTYPE: {PROVIDER: ENTRY}}},   # "*" is the fallback at the dtype and provider levels
      "topk": {DTYPE or "*": {"margin_factor": 1.0,    # score noise δ = margin_factor · (observed noise + floor)
-                             "ulps": 4}},              # ULP floor of the score noise (parity/topk.py)
-     "metamorphic": {DTYPE: {"ulps": 64}},     # the ``ulp`` rule of the oracles (parity/metamorphic.py)
+                             "ulps": 4}},              # ULP floor of the score noise (parity/judge/topk.py)
+     "metamorphic": {DTYPE: {"ulps": 64}},     # the ``ulp`` rule of the oracles (parity/oracles/metamorphic.py)
      "kernels": {"rules": {RULE: {"mixed": 1e-4, "rel_l2": ..., "cosine": ..., "exact": true, "measured": {...}}},
-                 "capture": {"rel_l2": 1e-3, "measured": {...}},        # kernel-level checks (parity/kernel_rules.py)
+                 "capture": {"rel_l2": 1e-3, "measured": {...}},        # kernel-level checks (parity/judge/kernel_rules.py)
                  "graph_replay": {"rel_l2": 2e-2, "measured": {...}}},  # the graph-replay oracle
-     "sign_split": {"window_ulps": 8,          # the indexer ReLU's ambiguity window (parity/sign_split.py)
+     "sign_split": {"window_ulps": 8,          # the indexer ReLU's ambiguity window (parity/judge/sign_split.py)
                     "max_elements": 268435456}}  # largest activation pattern observed (rows × heads × ids)
 
 ``CLASS`` is a tensor class (``out lse index_scores topk loss grad_input grad_param grad_indexer``), ``DTYPE`` the case dtype,
 ``PROVIDER`` the fused kernel provider (``torch``, ``cudnn``, ...). An ``ENTRY`` holds the thresholds of the layered
-verdict (:mod:`parity.verdict`) and the measured worst case each was set from::
+verdict (:mod:`parity.judge.verdict`) and the measured worst case each was set from::
 
     {"noise_floor_ratio": 3.0,   # rule 2: max|a - r| / (max|p - r| + ulps·eps·max|r|) <= this
      "ulps": 2,                  # the ULP floor of rules 2 and 4, in units of the *case* dtype's epsilon

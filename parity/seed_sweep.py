@@ -22,10 +22,10 @@ import torch
 from cases.case import Case
 from cases.suites import load_suite
 
-from .engine import RunOptions, run_case
-from .impls import load
-from .results import ResultsWriter
-from .verdict import GATES
+from parity.engine import RunOptions, run_case
+from parity.impls import load
+from parity.judge.verdict import GATES
+from parity.run.results import ResultsWriter
 
 DEFAULT_OUT = Path("reports") / "out" / "seed-sweep"
 

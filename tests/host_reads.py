@@ -3,7 +3,7 @@
 Counted: ``float()`` / ``int()`` / ``bool()`` / ``.item()`` / ``.tolist()`` / ``.numpy()`` of a tensor, ``.cpu()`` and
 ``.to("cpu")``, ``torch.equal``, ``nonzero`` / ``masked_select`` and boolean-mask indexing (their output size is only
 known on the host). On a CPU these are free; on a GPU shared by several worker processes each one waits for the
-device, which is why the harness reads its metrics back in one transfer (:func:`parity.metrics.fetch`).
+device, which is why the harness reads its metrics back in one transfer (:func:`parity.judge.metrics.fetch`).
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ def test_cache_can_load_the_compile_cache_file_alone():
 def test_the_names_the_parser_uses_agree_with_the_engine():
     from cases.suites import SUBSETS, SUITES
     from cases.vocabulary import STORED_SUITES, SUITE_SUBSETS
-    from parity import metamorphic
     from parity.names import ORACLE_SUMMARIES
+    from parity.oracles import metamorphic
 
     assert tuple(SUITES) == STORED_SUITES and tuple(SUBSETS) == SUITE_SUBSETS
     assert list(metamorphic.ORACLES) == list(ORACLE_SUMMARIES) == list(metamorphic._ORACLE_CHECKS)

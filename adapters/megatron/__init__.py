@@ -12,7 +12,7 @@ dtype production computes a case in (float32 islands in float64 runs); ``raised_
 exception arose inside production's own code (that revision's behaviour: a ``fail``, not an ``error``);
 ``describe()`` — Megatron's revision and the
 stand-ins in use (the run row); ``known_deviations`` — the registry of production behaviour that differs from the
-contract (``known_deviations.json``, :mod:`parity.known`; an entry holds at the CP sizes its ``cp`` lists, default
+contract (``known_deviations.json``, :mod:`parity.deviations.known`; an entry holds at the CP sizes its ``cp`` lists, default
 ``[1]``); ``use_context_parallel(n)`` — the calls inside run production's THD context-parallel branch with ``n``
 rank processes (``--cp N``, :mod:`adapters.megatron.cp`), ``context_parallel_size()`` the current ``n``;
 ``TOPK_TIE_RULE = "arbitrary"`` (``torch.topk`` among exact ties).

@@ -73,7 +73,7 @@ class CPUnavailable(Unsupported):
 class RankError(RuntimeError):
     """A rank raised: ``RankError("rank 1: RuntimeError: ... [csa.py:2568]")``. ``remote_raised``: the rank's
     exception type (and its classes) and raising frame (``file``, ``function``, ``line``), which
-    :func:`parity.known.raised` and :func:`adapters.megatron.raised_in_own_code` read instead of this process's
+    :func:`parity.deviations.known.raised` and :func:`adapters.megatron.raised_in_own_code` read instead of this process's
     traceback (None when the rank died without one)."""
 
     def __init__(self, message: str, remote_raised: Optional[dict] = None):

@@ -153,7 +153,7 @@ def record_revision(copy: Path, original: Path) -> None:
 
 def upstream_revision(source: MegatronSource) -> Optional[str]:
     """The upstream Megatron-LM commit of ``source`` (hex; what the known-deviation registry records, see
-    ``parity/known.py``): the id in a snapshot's name (``snapshot megatron-lm-dev-d48bd6be0a`` -> ``d48bd6be0a``);
+    ``parity/deviations/known.py``): the id in a snapshot's name (``snapshot megatron-lm-dev-d48bd6be0a`` -> ``d48bd6be0a``);
     for a git checkout the ``Upstream-Commit:`` trailer of its HEAD (a commit of the offline history bundle), else
     HEAD itself (an upstream clone); a copy's recorded one; None for a tree that is none of these."""
     recorded = _recorded(Path(source.root))

@@ -59,7 +59,7 @@ def test_the_upstream_revision_of_a_snapshot_a_bundle_checkout_and_a_scratch_cop
     was copied from. Negative control: a plain directory has none."""
     import subprocess
 
-    from parity import megatron_mutants as mutants
+    from parity.mutation import megatron_mutants as mutants
 
     snap = _fake_tree(tmp_path / "megatron-lm-dev-d48bd6be0a" / "megatron-lm-dev-d48bd6be0a")
     located = source.locate(str(snap))
@@ -194,7 +194,7 @@ def test_an_architecture_specific_entry_reproduces_where_the_emulated_provider_d
     emulated provider declares by default (sm100) the architecture does not match and the entry is not named (the
     case fails there too, unregistered: see the entry's evidence). One bf16 gate case of 138 rows: ~30 s each."""
     from adapters.megatron import source as src
-    from parity import megatron_mutants as mutants
+    from parity.mutation import megatron_mutants as mutants
 
     entries = [e for e in _entries() if not _any_architecture(e) and "emulated" in e["providers"]]
     assert entries
@@ -213,7 +213,7 @@ def test_an_architecture_specific_entry_reproduces_where_the_emulated_provider_d
 
 # ---- real-code mutants --------------------------------------------------------------------------------------------
 def test_a_patch_that_no_longer_applies_is_reported(tmp_path):
-    from parity import megatron_mutants as mutants
+    from parity.mutation import megatron_mutants as mutants
 
     target = tmp_path / mutants.CSA
     target.parent.mkdir(parents=True)
@@ -223,7 +223,7 @@ def test_a_patch_that_no_longer_applies_is_reported(tmp_path):
 
 
 def test_patches_go_to_a_scratch_copy_only(tmp_path):
-    from parity import megatron_mutants as mutants
+    from parity.mutation import megatron_mutants as mutants
 
     src = tmp_path / "src"
     (src / mutants.CSA).parent.mkdir(parents=True)
@@ -238,7 +238,7 @@ def test_patches_go_to_a_scratch_copy_only(tmp_path):
 @needs_megatron
 def test_every_real_code_mutant_is_killed():
     from adapters.megatron import source as src
-    from parity import megatron_mutants as mutants
+    from parity.mutation import megatron_mutants as mutants
 
     lines = []
     one_rank = [m.name for m in mutants.MUTANTS if m.cp == 1]  # the CP ones: tests/adapters/test_megatron_cp.py

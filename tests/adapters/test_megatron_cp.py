@@ -199,7 +199,7 @@ def test_the_fused_cp_mean_loss_matches_its_registered_model_exactly():
     from cases.suites import load_suite
     from cases.tensors import materialize
     from parity.impls import load
-    from parity.snapshot import take_snapshot
+    from parity.judge.snapshot import take_snapshot
 
     impl = load("megatron")
     for cid, n in (("f2ceea9c0311", 2), ("339801b464f2", 4)):
@@ -219,7 +219,7 @@ def test_the_cp_oracle_passes_at_head_and_compares_every_tensor():
     from cases.suites import load_suite
     from parity.engine import RunOptions
     from parity.impls import load
-    from parity.metamorphic import run_oracle
+    from parity.oracles.metamorphic import run_oracle
 
     impl = load("megatron")
     cases = {c.id: c for c in load_suite("smoke")}
@@ -240,7 +240,7 @@ def test_every_cp_mutant_is_killed_and_fails_the_cp_oracle():
     killed by the CP smoke on every provider that runs its code, and the cp oracle fails on it; on the clean tree
     the same cases pass and the oracle passes (the clean line)."""
     from adapters.megatron import source as src
-    from parity import megatron_mutants as mutants
+    from parity.mutation import megatron_mutants as mutants
 
     names = [m.name for m in mutants.MUTANTS if m.cp > 1]
     lines = []

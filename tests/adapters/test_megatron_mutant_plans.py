@@ -12,7 +12,7 @@ import json
 import pytest
 
 from cases.suites import load_suite
-from parity import megatron_mutants as mm
+from parity.mutation import megatron_mutants as mm
 
 from .test_megatron import needs_megatron
 
@@ -22,7 +22,7 @@ SEEDS = ("thd_dense_bwd_no_max_seqlen", "fake_bshd_view_over_batch", "invalid_co
 #: contract (padding_dout) on the clean tree, ff44cb580cf3 is a registered ``known`` — so their gate case is larger
 BEYOND_GATE_CPU = {"invalid_comp_rows_by_count", "compressor_real_offsets"}
 #: the one mutant whose gate case exceeds 160 rows: the smaller gate cases with a real segment (>= r tokens) after a
-#: padded one are not clean (see parity/megatron_mutants.py); 7804f8058ac3 (1,124 rows) kills it in the sm90 preview
+#: padded one are not clean (see parity/mutation/megatron_mutants.py); 7804f8058ac3 (1,124 rows) kills it in the sm90 preview
 #: (emulated, capability 9.0: clean pass, mutant grad/hidden on padding rows + 21 more tensors; 560 s on 2 cores)
 LARGER_GATE_CASE = {"compressor_real_offsets": 1124}
 

@@ -1,4 +1,4 @@
-"""The three bugs found in review of the production feature, planted back in (``parity.mutants``): each one makes a
+"""The three bugs found in review of the production feature, planted back in (``parity.mutation.mutants``): each one makes a
 harness check fail on the CPU, and the same check passes without it.
 
 1. The THD dense-loss indexer-backward call made without ``max_seqlen_q/k`` — the kernel contract refuses it.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity import mutants
+from parity.mutation import mutants
 
 from .helpers import bshd_case, thd_case
 from .test_parity import assert_parity

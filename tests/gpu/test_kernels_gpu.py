@@ -39,7 +39,7 @@ def test_graph_replay_under_repacking():
     """The graph-replay oracle on the production kernels: a 2048-row buffer of 4 segments (r4, sparse loss)."""
     from parity import impls
     from parity.engine import RunOptions
-    from parity.metamorphic import run_oracle
+    from parity.oracles.metamorphic import run_oracle
 
     layout = ThdLayout(cu_seqlens=(0, 700, 1000, 1500, 1900), cu_seqlens_padded=(0, 704, 1024, 1536, 1984),
                        total_tokens=2048, compressed_capacity=512)

@@ -23,7 +23,7 @@ import fused
 from fused.rows import RowSpace
 from cases.suites import offsets_compressed_ids
 from parity.impls import Implementation
-from parity.verdict import GATES
+from parity.judge.verdict import GATES
 
 INDEXER = "core_attention.indexer."
 

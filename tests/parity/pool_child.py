@@ -1,4 +1,4 @@
-"""A stand-in for ``python -m parity.worker`` (no torch, starts in milliseconds) for WorkerPool tests.
+"""A stand-in for ``python -m parity.run.worker`` (no torch, starts in milliseconds) for WorkerPool tests.
 
 Speaks the worker protocol; each request ``{"id": ..., "do": ...}`` says what to do: ``pass`` / ``error`` (answer
 that outcome), ``crash`` (``os._exit(3)``), ``hang`` (sleep past any test timeout), ``garbage`` (a torn protocol
@@ -39,7 +39,7 @@ def log(request, event):
             os.close(fd)
 
 if not os.environ.get("POOL_CHILD_OUTLIVE_PARENT"):  # the real worker's behaviour (negative control: set it)
-    from parity.worker import _die_with_parent
+    from parity.run.worker import _die_with_parent
 
     _die_with_parent()
 

@@ -22,7 +22,7 @@ def test_a_cpp_backward_error_names_the_forward_call_that_built_the_node():
     assert "modified by an inplace operation" in result.message
     where = result.message[result.message.rindex(" [") + 1:]
     assert where.startswith("[parity/fakes.py:_gather_term:"), where
-    assert "(GatherBackward0), in its backward; raised under parity/snapshot.py:take_snapshot:" in where
+    assert "(GatherBackward0), in its backward; raised under judge/snapshot.py:take_snapshot:" in where
 
 
 def test_an_error_of_python_backward_code_keeps_its_own_frame_and_is_not_re_run(monkeypatch):
@@ -65,7 +65,7 @@ def test_which_errors_are_located():
 
 
 def test_the_innermost_frame_outside_torch_is_the_call_site():
-    stack = ['  File "/x/parity/snapshot.py", line 140, in take_snapshot\n    result = _call(...)\n',
+    stack = ['  File "/x/parity/judge/snapshot.py", line 140, in take_snapshot\n    result = _call(...)\n',
              '  File "/m/megatron/core/transformer/experimental_attention_variant/csa.py", line 687, in '
              'unfused_compressed_sparse_attn\n    kv_gathered = torch.gather(\n',
              '  File "/v/lib/python3.12/site-packages/torch/overrides.py", line 1, in handle\n    pass\n']

@@ -1,4 +1,4 @@
-"""``dsv4-parity bisect``'s search (:func:`parity.bisect.search`) with a planted history: ``git bisect run``
+"""``dsv4-parity bisect``'s search (:func:`parity.history.bisect.search`) with a planted history: ``git bisect run``
 semantics (undrivable revisions skipped, never blamed), "no change in range", verdicts read before the registry, and
 the tensors that changed verdict. The search over the real history bundle: ``tests/adapters/test_megatron_history.py``.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from parity import bisect
-from parity.git_tree import Commit
+from parity.history import bisect
+from parity.history.git_tree import Commit
 
 CHAIN = [Commit(f"{i:040x}", f"commit {i}") for i in range(1, 21)]  # 20 revisions after the good one
 GOOD = Commit("0" * 40, "good")

@@ -2,11 +2,11 @@
 
 import json
 
-from parity import results
 from parity.calibrate import measure
+from parity.run import results
 from cli.main import main
+from parity.judge.verdict import MetricRow, TensorResult
 from parity.policy import POLICY_PATH, load
-from parity.verdict import MetricRow, TensorResult
 from tests.parity.helpers import pick
 
 

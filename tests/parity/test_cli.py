@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cli.main import build_parser, main
-from parity.runner import resolve_out_dir
+from parity.run.runner import resolve_out_dir
 from tests.parity.helpers import pick
 
 
@@ -97,7 +97,7 @@ def test_resume_runs_only_the_unfinished_cases(tmp_path, capsys):
 
 def test_out_directory_rules(tmp_path, monkeypatch):
     root = tmp_path / "reports" / "out"
-    monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
+    monkeypatch.setattr("parity.run.runner.DEFAULT_OUT_ROOT", root)
     latest = root / "latest"
     assert resolve_out_dir(None, "R1", False, False) == (root / "R1", None)
     assert resolve_out_dir(None, "R1", True, False) == (root / "R1", latest)
@@ -109,7 +109,7 @@ def test_out_directory_rules(tmp_path, monkeypatch):
 
 def test_make_default_moves_the_latest_link_and_resume_follows_it(tmp_path, monkeypatch, capsys):
     root = tmp_path / "reports" / "out"
-    monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
+    monkeypatch.setattr("parity.run.runner.DEFAULT_OUT_ROOT", root)
     case = pick(dtype="float64", layout="bshd", ratio="0")
     link = root / "latest"
     args = ["run", "--suite", "smoke", *ids(case), "--impl", "reference", "--quiet", "--out", str(link),

@@ -5,8 +5,8 @@ import torch
 
 from parity import impls
 from parity.engine import RunOptions, run_case
-from parity.structure import check
-from parity.snapshot import Snapshot
+from parity.judge.snapshot import Snapshot
+from parity.judge.structure import check
 from tests.parity.helpers import pick
 
 REF = impls.load("reference")

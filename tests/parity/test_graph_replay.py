@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from cases.layout import ThdLayout
-from parity import impls, metamorphic
-from parity import graph_replay as GR
+from parity import impls
 from parity.engine import RunOptions
-from parity.metamorphic import applicable, run_oracle
+from parity.oracles import metamorphic, graph_replay as GR
+from parity.oracles.metamorphic import applicable, run_oracle
 from tests.parity.helpers import pick
 
 
 def eager_stand_in(fn):
-    """``(graph, result)`` like :func:`parity.graph_replay.capture_graph`; ``replay`` re-runs ``fn`` eagerly."""
+    """``(graph, result)`` like :func:`parity.oracles.graph_replay.capture_graph`; ``replay`` re-runs ``fn`` eagerly."""
     result = fn()
 
     class Graph:

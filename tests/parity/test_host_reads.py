@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 
-from parity import impls, metrics, policy as policy_mod, verdict
+from parity import impls, policy as policy_mod
 from parity.engine import RunOptions, snapshots
 from parity.impls import policy_provider
-from parity.snapshot import role
+from parity.judge import metrics, verdict
+from parity.judge.snapshot import role
 from tests.parity.helpers import pick
 from tests.host_reads import HostReads
 
@@ -122,7 +123,7 @@ def test_a_whole_case_compares_with_one_read_per_numeric_tensor(monkeypatch):
 
 
 def test_snapshot_mutation_check_reads_once_with_torch_equal_semantics():
-    from parity.snapshot import changed
+    from parity.judge.snapshot import changed
 
     before = {"nan": torch.tensor([1.0, math.nan]), "same": torch.zeros(3), "empty": torch.zeros(0),
               "written": torch.ones(2), "resized": torch.zeros(3)}
@@ -137,7 +138,7 @@ def test_snapshot_mutation_check_reads_once_with_torch_equal_semantics():
 
 
 def test_on_host_copies_once_and_keeps_values():
-    from parity.snapshot import on_host
+    from parity.judge.snapshot import on_host
 
     x = {"a": torch.arange(6.0).reshape(2, 3), "none": None, "i": torch.tensor([3, -1])}
     with HostReads() as reads:

@@ -7,7 +7,8 @@ import types
 
 import fused
 from cases.vocabulary import OUTCOMES, TENSOR_CLASSES, TOLERANCED_CLASSES, Unsupported
-from parity import impls, junit, policy, results
+from parity import impls, policy
+from parity.run import junit, results
 from reports import drift, load, markdown, summary
 
 

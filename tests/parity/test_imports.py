@@ -11,37 +11,45 @@ FIRST_PARTY = ("cases", "reference", "fused", "adapters", "parity", "reports", "
 #: (module, imported module) pairs that stay function-local, and why.
 LAZY = {
     ("worker", "parity.engine"): "the child imports torch only after redirecting fd 1 (torch may print)",
-    ("worker", "parity.execution"): "the same",
+    ("worker", "parity.run.execution"): "the same",
     ("kernel_checks", "fused.kernels.flashmla_provider"): "GPU providers load only when asked for",
     ("kernel_checks", "fused.kernels.cudnn_provider"): "the same",
-    ("bisect", "parity.results"): "the parser of `dsv4-parity bisect` imports parity.bisect without torch",
+    ("bisect", "parity.run.results"): "the parser of `dsv4-parity bisect` imports parity.history.bisect without torch",
 }
 
 
-def _imports(path: pathlib.Path) -> list[tuple[str, bool]]:
-    """``(absolute module, at module level)`` of every first-party import of a parity module."""
+def _modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
+    """Every module of parity and its floors, by dotted name under ``parity`` (``engine``, ``run.runner``, ...)."""
+    return {".".join(p.relative_to(root / "parity").with_suffix("").parts): p
+            for p in sorted((root / "parity").rglob("*.py")) if p.stem != "__init__"}
+
+
+def _imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[tuple[str, bool]]:
+    """``(absolute module, at module level)`` of every first-party import of a parity module; ``from parity.run
+    import runner`` names the module ``parity.run.runner``."""
     tree = ast.parse(path.read_text())
     top = {id(node) for node in tree.body}
+    known = {"parity." + m for m in _modules(root)}
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level:
-                module = "parity" + (f".{module}" if module else "")
-                names = [module] if node.module else [f"parity.{a.name}" for a in node.names]
-            else:
-                names = [module]
+                package = ".".join(path.relative_to(root).with_suffix("").parts[:-node.level])
+                module = package + (f".{module}" if module else "")
+            names = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
             continue
-        out += [(n, id(node) in top) for n in names if n.split(".")[0] in FIRST_PARTY]
+        out += [(n, id(node) in top) for n in dict.fromkeys(names) if n.split(".")[0] in FIRST_PARTY]
     return out
 
 
 def parity_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
-    modules = {p.stem: p for p in (root / "parity").glob("*.py") if p.stem != "__init__"}
-    return {m: {n.split(".")[1] for n, _ in _imports(p) if n.startswith("parity.") and n.split(".")[1] in modules}
+    modules = _modules(root)
+    return {m: {n.removeprefix("parity.") for n, _ in _imports(p, root)
+                if n.startswith("parity.") and n.removeprefix("parity.") in modules}
             for m, p in modules.items()}
 
 
@@ -74,6 +82,5 @@ def test_cycle_detection_negative_control():
 
 
 def test_first_party_imports_are_at_module_level():
-    local = sorted((p.stem, n) for p in (ROOT / "parity").glob("*.py") if p.stem != "__init__"
-                   for n, at_top in _imports(p) if not at_top)
+    local = sorted((p.stem, n) for p in _modules().values() for n, at_top in _imports(p) if not at_top)
     assert local == sorted(LAZY), local

@@ -19,10 +19,11 @@ import torch
 import reference
 from cases.suites import load_suite
 from cases.tensors import materialize
-from parity import engine, sign_split
+from parity import engine
 from parity.engine import RunOptions, run_case
 from parity.impls import load
-from parity.snapshot import take_snapshot
+from parity.judge import sign_split
+from parity.judge.snapshot import take_snapshot
 
 from .indexer_bugs import BUGS, deciding_margin, kill_margin, reaches
 

@@ -13,7 +13,7 @@ import torch
 from cases.errors import CaseError
 from fused.kernels.torch_provider import TorchKernels
 from parity import kernel_checks, policy as policy_mod
-from parity.kernel_rules import STAGE_RULES, KernelRule, judge_row, kernel_metrics, rule_for
+from parity.judge.kernel_rules import STAGE_RULES, KernelRule, judge_row, kernel_metrics, rule_for
 from reports.baselines import BASELINES_ROOT
 
 TABLE = BASELINES_ROOT / "h200" / "kernels" / "kernel_parity.csv"

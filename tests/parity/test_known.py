@@ -1,4 +1,4 @@
-"""Known deviations (parity/known.py, parity/known_models.py): a case is ``known`` only where the implementation
+"""Known deviations (parity/deviations/known.py, parity/deviations/known_models.py): a case is ``known`` only where the implementation
 matches the registered entry's deviation model; a further bug on a registered tensor fails naming the entry and the
 distance to both; the contract again is ``fixed?``; a crash is matched by its exception type and raising frame, never
 by its message; an entry applies only at its registered revisions. JUnit shows ``known`` as an expected failure.
@@ -18,11 +18,11 @@ import pytest
 from cases.case import Case
 from cases.errors import CaseError
 from cases.suites import load_suite
-from parity import known, known_models
+from parity.deviations import known, known_models
 from parity.engine import RunOptions, run_case
 from parity.impls import Implementation, load
-from parity.junit import write_junit
-from parity.results import CaseResult, counts, summary_line
+from parity.run.junit import write_junit
+from parity.run.results import CaseResult, counts, summary_line
 
 from .fakes import Wrapped, reference_pad_dout_leak
 

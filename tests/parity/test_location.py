@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from cases.tensors import materialize
-from parity.engine import RunOptions, run_case
 from parity import impls
-from parity.location import where_worst
+from parity.engine import RunOptions, run_case
+from parity.judge.location import where_worst
 from tests.parity.helpers import pick
 
 

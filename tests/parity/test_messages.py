@@ -123,7 +123,7 @@ def test_cache_help_has_no_markup():
 def test_a_long_sequence_is_refused_by_its_working_set_not_its_inputs():
     from cases.case import Case
     from cases.errors import CaseError
-    from parity import memory
+    from parity.run import memory
 
     small = pick(dtype="float32", layout="bshd", ratio="4", loss="sparse")
     data = small.to_dict()

@@ -5,7 +5,7 @@ import pytest
 from parity import impls
 from cli.main import main
 from parity.engine import RunOptions
-from parity.metamorphic import ORACLES, applicable, run_oracle
+from parity.oracles.metamorphic import ORACLES, applicable, run_oracle
 from tests.parity.helpers import pick
 
 # (oracle, case features, fake that breaks the property)

@@ -1,11 +1,11 @@
-"""Per-tensor metrics (parity/metrics.py): definitions, edge cases, and the noise-floor / scale rules."""
+"""Per-tensor metrics (parity/judge/metrics.py): definitions, edge cases, and the noise-floor / scale rules."""
 
 import math
 
 import pytest
 import torch
 
-from parity import metrics
+from parity.judge import metrics
 
 
 def t(*values):

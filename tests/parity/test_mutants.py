@@ -1,4 +1,4 @@
-"""The planted-bug registry (parity/mutants.py): every patch names a real function of the composition, planting is
+"""The planted-bug registry (parity/mutation/mutants.py): every patch names a real function of the composition, planting is
 scoped and nests, it reaches every ``fused`` module that imported the function, and ``fused`` knows nothing of it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import importlib
 import fused.index_maps
 import fused.thd
 from cases.coverage import parse_cell
-from parity import mutants
+from parity.mutation import mutants
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROWS = importlib.import_module("fused.rows")  # imports causal_visible by name

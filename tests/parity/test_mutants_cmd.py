@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from parity import mutants
-from parity import mutation_suite as mutants_cmd
+from parity.mutation import mutants, mutation_suite as mutants_cmd
 from cli.main import main
 from parity.engine import RunOptions, run_case
 from parity.impls import load

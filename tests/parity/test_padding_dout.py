@@ -18,9 +18,9 @@ from cases.rng import Rng
 from cases.tensors import DOUT_POISON, materialize
 from parity import impls
 from parity.engine import RunOptions, run_case
-from parity.metamorphic import applicable, run_oracle
-from parity.mutants import activate
-from parity.snapshot import take_snapshot
+from parity.judge.snapshot import take_snapshot
+from parity.mutation.mutants import activate
+from parity.oracles.metamorphic import applicable, run_oracle
 from tests.parity.helpers import pick
 
 REF = impls.load("reference")

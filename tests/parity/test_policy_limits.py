@@ -10,7 +10,7 @@ import torch
 
 from cases.errors import CaseError
 from parity import policy as P
-from parity.verdict import judge_numeric
+from parity.judge.verdict import judge_numeric
 
 
 def _tensors():

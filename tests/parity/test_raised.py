@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from parity import impls, known
+from parity import impls
+from parity.deviations import known
 from parity.engine import RunOptions, run_case
-from parity.results import CaseResult
+from parity.run.results import CaseResult
 from tests.parity.fakes import Raises
 from tests.parity.helpers import pick
 
@@ -49,9 +50,9 @@ def test_an_exception_in_the_code_under_test_is_a_failure_and_elsewhere_an_error
 
 def test_out_of_memory_in_the_code_under_test_stays_an_error_that_a_shared_gpu_retries():
     """Running out of device memory is the machine's condition (several workers share one GPU), not the revision's
-    behaviour: an ``error``, which the worker pool re-runs alone (:func:`parity.worker.is_out_of_memory`); the
+    behaviour: an ``error``, which the worker pool re-runs alone (:func:`parity.run.worker.is_out_of_memory`); the
     control above shows the same hook making another exception a ``fail``."""
-    from parity.worker import is_out_of_memory
+    from parity.run.worker import is_out_of_memory
 
     case = pick(dtype="float32", layout="bshd", ratio="0")
     result = run_case(case, impls.load("tests.parity.test_raised:oom"), REF, RunOptions())

@@ -3,9 +3,9 @@
 import json
 import xml.etree.ElementTree as ET
 
-from parity import results
-from parity.junit import write_junit
-from parity.verdict import MetricRow, TensorResult
+from parity.judge.verdict import MetricRow, TensorResult
+from parity.run import results
+from parity.run.junit import write_junit
 from tests.parity.helpers import pick
 
 CASE_FIELDS = {"type", "case_id", "case", "outcome", "decided_by", "first_failure", "message", "duration_s", "phases_s", "repro",

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from cli.main import main
-from parity import rundir
+from parity.run import rundir
 from tests.parity.test_run_integrity import TINY, case_ids
 
 #: one tiny smoke case, reference against itself (well under a second)

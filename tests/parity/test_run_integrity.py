@@ -13,7 +13,7 @@ import pytest
 
 from parity import compare_runs
 from cli.main import main
-from parity.runner import resolve_out_dir
+from parity.run.runner import resolve_out_dir
 from tests.parity.helpers import pick
 
 #: the three smallest smoke cases (2, 4 and 5 rows), reference against itself: well under a second each on a CPU
@@ -122,13 +122,13 @@ def test_resume_of_an_ad_hoc_case_list_keeps_it(tmp_path):
 # ---- 2. latest names the newest run from its start -----------------------------------------------------------------
 def test_a_killed_run_is_latest_and_resume_continues_it(tmp_path, monkeypatch, capsys):
     root = tmp_path / "reports" / "out"
-    monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
+    monkeypatch.setattr("parity.run.runner.DEFAULT_OUT_ROOT", root)
     link = root / "latest"
     args = RUN + ["--out", str(link), "--make-default", "--no-report"]
     monkeypatch.setattr("cli.run_command.new_run_id", lambda *a: "first")
     assert main(args) == 0  # a complete older run
     monkeypatch.setattr("cli.run_command.new_run_id", lambda *a: "second")
-    import parity.runner as runner
+    import parity.run.runner as runner
 
     real, calls = runner.execute, []
 
@@ -200,7 +200,7 @@ def test_an_existing_run_directory_is_refused_without_resume_or_force(whole, tmp
 
 
 def test_a_second_writer_is_refused_while_the_lock_is_held(whole, tmp_path, capsys):
-    from parity.rundir import prepare
+    from parity.run.rundir import prepare
 
     out = tmp_path / "r"
     assert main(RUN + ["--out", str(out), "--budget-s", "0.001"]) == 1  # a recorded run with cases left to run
@@ -313,7 +313,7 @@ def test_shrink_prints_one_repro_that_carries_the_options(capsys):
 
 # ---- output ---------------------------------------------------------------------------------------------------------
 def test_a_run_off_a_terminal_prints_progress_lines(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("parity.progress.EVERY_S", 0.0)
+    monkeypatch.setattr("parity.run.progress.EVERY_S", 0.0)
     assert main(RUN[:5] + ["--case-id", TINY[0], "--case-id", TINY[1], "--out", str(tmp_path / "r")]) == 0
     err = capsys.readouterr().err
     assert "progress: 1/2 cases (1 pass, 0 fail, 0 error, 0 unsupported)" in err and "ETA" in err
@@ -337,12 +337,12 @@ def test_resume_needs_an_out_directory(capsys):
 
 def test_out_directory_rules_are_unchanged(tmp_path, monkeypatch):
     root = tmp_path / "reports" / "out"
-    monkeypatch.setattr("parity.runner.DEFAULT_OUT_ROOT", root)
+    monkeypatch.setattr("parity.run.runner.DEFAULT_OUT_ROOT", root)
     assert resolve_out_dir(str(root / "latest"), "R2", True, False) == (root / "R2", root / "latest")
 
 
 def test_a_case_that_cannot_fit_in_memory_is_refused_up_front_with_its_estimate(tmp_path, capsys, monkeypatch):
-    from parity import memory
+    from parity.run import memory
 
     case = pick(dtype="float32", layout="bshd", ratio="0")
     need = sum(memory.working_set(case).values())

@@ -10,7 +10,7 @@ import pytest
 from cases.errors import CaseError
 from cases.layout import BshdLayout
 from cases.suites import load_suite
-from parity import shard
+from parity.run import shard
 from cli.main import main
 from parity.compare_runs import compare, load
 from tests.parity.helpers import pick

@@ -14,7 +14,7 @@ import reference
 from fused.kernels.torch_provider import TorchKernels
 from parity import impls
 from parity.engine import RunOptions, run_case, snapshots
-from parity.mutants import activate, clear_reached, reached
+from parity.mutation.mutants import activate, clear_reached, reached
 from tests.parity.helpers import pick
 
 FUSED, REF = impls.load("fused"), impls.load("reference")

@@ -1,10 +1,10 @@
-"""The top-k tie-margin protocol (parity/topk.py) and the selection conventions (parity/structure.py)."""
+"""The top-k tie-margin protocol (parity/judge/topk.py) and the selection conventions (parity/judge/structure.py)."""
 
 import pytest
 import torch
 
-from parity.structure import topk_problems
-from parity.topk import compare, reference_topk
+from parity.judge.structure import topk_problems
+from parity.judge.topk import compare, reference_topk
 
 NEG = float("-inf")
 

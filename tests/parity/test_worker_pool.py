@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from parity.shard import plan_slots
-from parity.worker import WorkerPool, is_out_of_memory
+from parity.run.shard import plan_slots
+from parity.run.worker import WorkerPool, is_out_of_memory
 
 CHILD = [sys.executable, str(Path(__file__).with_name("pool_child.py"))]
 
@@ -121,12 +121,12 @@ CUDA_RUNTIME_OOM = (
 
 
 def _engine_row(monkeypatch, exc):
-    """The case row that ``parity.execution.execute`` (what a worker child runs) writes when the implementation's run
+    """The case row that ``parity.run.execution.execute`` (what a worker child runs) writes when the implementation's run
     raises ``exc``: the real engine path, on CPU."""
     from dataclasses import asdict
 
     from parity import engine
-    from parity.execution import execute
+    from parity.run.execution import execute
     from tests.parity.helpers import pick
 
     def raising(*args, **kwargs):
@@ -290,7 +290,7 @@ PARENT = """
 import sys, time
 sys.path.insert(0, {repo!r})
 from types import SimpleNamespace
-from parity.worker import WorkerPool  # stdlib only: this parent starts in milliseconds
+from parity.run.worker import WorkerPool  # stdlib only: this parent starts in milliseconds
 pool = WorkerPool([SimpleNamespace(index=0, device="cpu", env={env!r})], timeout=60, command={child!r})
 jobs = pool.run([("h", {{"id": "h", "do": "hang"}})])
 worker = pool.workers[0]

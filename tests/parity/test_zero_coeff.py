@@ -6,7 +6,7 @@ import torch
 from cases.suites import load_suite
 from parity import impls
 from parity.engine import RunOptions, run_case
-from parity.structure import zero_coeff_problems
+from parity.judge.structure import zero_coeff_problems
 
 ZERO_COEFF = "51ed1802b744"  # smoke: THD layer, r = 4 sparse loss, dsa_indexer_loss_coeff = 0
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from parity import policy as policy_mod
-from parity.verdict import judge_numeric
+from parity.judge.verdict import judge_numeric
 
 F64 = torch.float64
 

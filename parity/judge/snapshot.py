@@ -6,7 +6,7 @@ Tensor names (the ``tensor`` field of the results rows), in report order::
     grad/<input>   for each input (layer: hidden; core: query, kv, hidden, q_latent),
     grad/<param>   for each parameter by its production name (cases.tensors.parameter_shapes order).
 
-The engine adds the public API's outputs (:mod:`parity.api_check`): ``api/compressor``, ``api/indexer.compressor``,
+The engine adds the public API's outputs (:mod:`parity.judge.api_check`): ``api/compressor``, ``api/indexer.compressor``,
 ``api/indexer.index_scores``, ``api/indexer.topk_indices`` (the last two judged like their layer counterparts,
 :func:`role`).
 
@@ -51,7 +51,7 @@ def tensor_class(name: str) -> str:
 
     ``grad_indexer`` holds the gradients of the indexer's own parameters (``core_attention.indexer.*``): they come only
     from the KL loss through ``ReLU(qI·kI)``, whose derivative jumps where bf16 rounding flips the sign of a product
-    near 0; the engine removes those flips by sign-split (:mod:`parity.sign_split`), and the class records its own
+    near 0; the engine removes those flips by sign-split (:mod:`parity.judge.sign_split`), and the class records its own
     measured worst cases in ``parity/policy.json``.
     Public-API tensors take the class of the tensor they stand for (:func:`role`; compressor outputs ``out``).
     """

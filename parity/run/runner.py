@@ -1,19 +1,19 @@
 """A parity run: cases → isolated execution → ``results.jsonl`` streamed case by case → summary, JUnit, exit code.
 
-:func:`run` drives a whole run (one case in this process: :func:`parity.execution.execute`, which the worker
-child, :mod:`parity.worker`, calls too):
+:func:`run` drives a whole run (one case in this process: :func:`parity.run.execution.execute`, which the worker
+child, :mod:`parity.run.worker`, calls too):
 
-* writes the ``run`` row (options and :func:`parity.environment.environment`), then one block of rows per case as
+* writes the ``run`` row (options and :func:`parity.run.environment.environment`), then one block of rows per case as
   it finishes, then the ``end`` row with the counts;
 * ``resume``: keeps the finished cases of an existing ``results.jsonl`` and runs only the others;
 * isolation ``none`` (in-process, the CPU default), ``worker`` (a child process replaced after any error or crash,
   the GPU default) or ``case`` (a fresh child per case);
-* ``workers`` (``--workers N|auto``, :mod:`parity.shard`): N child processes, on CUDA each pinned to one visible
+* ``workers`` (``--workers N|auto``, :mod:`parity.run.shard`): N child processes, on CUDA each pinned to one visible
   GPU (``CUDA_VISIBLE_DEVICES``; ``auto`` puts up to 6 on a GPU), fed from one queue ordered by estimated cost; the
   parent alone writes the one ``results.jsonl`` as cases finish (completion order). The ``run`` row records
   ``workers``, ``devices`` and ``threads``; every ``case`` row the ``worker`` (slot index) and ``device`` (``cpu`` /
   ``cuda:<token>``) it ran on, and ``retried`` if it ran out of GPU memory on a shared GPU and this is its re-run
-  alone (:class:`parity.worker.WorkerPool`). With one worker the run is what it was before sharding (suite order,
+  alone (:class:`parity.run.worker.WorkerPool`). With one worker the run is what it was before sharding (suite order,
   same isolation);
 * ``budget_s`` (``--budget-s``): no case starts once the budget is spent (cases already running finish, and so does
   the re-run alone of a case that ran out of GPU memory: it was started before); the
@@ -39,17 +39,16 @@ import torch
 from cases.case import Case
 from cases.errors import CaseError
 
-from . import names
-from . import results
-from . import shard
-from .engine import RunOptions
-from .environment import environment
-from .execution import error_rows, execute, load_impl
-from .junit import write_junit
-from .progress import Progress
-from .rundir import check_writable_file, prepare
-from .shard import Slot
-from .worker import WorkerPool
+from parity import names
+from parity.engine import RunOptions
+from parity.run import results, shard
+from parity.run.environment import environment
+from parity.run.execution import error_rows, execute, load_impl
+from parity.run.junit import write_junit
+from parity.run.progress import Progress
+from parity.run.rundir import check_writable_file, prepare
+from parity.run.shard import Slot
+from parity.run.worker import WorkerPool
 
 REPO = names.REPO
 DEFAULT_OUT_ROOT = names.OUT_ROOT
@@ -122,8 +121,8 @@ class RunConfig:
     argv: Sequence[str] = ()
     run_id: str = ""
     quiet: bool = False
-    workers: Union[int, str] = 1  # N or "auto" (parity.shard.resolve_workers)
-    threads: Optional[int] = None  # intra-op threads per worker (default: parity.shard.plan_slots)
+    workers: Union[int, str] = 1  # N or "auto" (parity.run.shard.resolve_workers)
+    threads: Optional[int] = None  # intra-op threads per worker (default: parity.run.shard.plan_slots)
     budget_s: Optional[float] = None  # start no case after this many seconds; the rest is recorded as not run
     force: bool = False  # clear a non-empty out_dir instead of refusing it
     link: Optional[Path] = None  # a symlink (reports/out/latest) to point at out_dir once the run row is written

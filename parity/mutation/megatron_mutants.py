@@ -3,7 +3,7 @@ each run in a fresh process (Python imports ``megatron`` once) with ``--impl meg
 
 A mutant is **killed** when, on every provider that executes its code, a case that is clean on the clean tree fails or
 errors with the patch applied (``known`` is not a kill: a registered deviation is not the planted bug). Clean is
-``pass``, or ``known``: production matching a registered deviation's model (:mod:`parity.known`), so a planted bug on a
+``pass``, or ``known``: production matching a registered deviation's model (:mod:`parity.deviations.known`), so a planted bug on a
 registered tensor is caught by the model, not hidden by the registration.
 ``dsv4-parity mutants --impl megatron`` prints one line per mutant and ends with ``mutants: K/N killed``; it exits 0
 iff every mutant was killed. A patch that no longer applies (upstream moved the line) is reported, never silently
@@ -39,7 +39,7 @@ from cases.suites import load_suite
 from parity.engine import RunOptions, configure_torch, run_case
 from parity.impls import load
 from parity.names import MEGATRON_MUTANTS_OUT, MUTANTS_NAME
-from parity.metamorphic import run_oracle
+from parity.oracles.metamorphic import run_oracle
 
 #: where ``mutants --impl megatron`` writes without ``--out`` (not the fused suite's folder)
 DEFAULT_OUT = MEGATRON_MUTANTS_OUT
@@ -183,7 +183,7 @@ def apply(root: Path, mutant: Mutant) -> None:
     count = text.count(mutant.old)
     if count == 0 or (mutant.nth is None and count != 1):
         raise PatchError(f"mutant {mutant.name}: the patched code occurs {count} times in {mutant.path} "
-                         "(expected once): upstream changed; update parity/megatron_mutants.py")
+                         "(expected once): upstream changed; update parity/mutation/megatron_mutants.py")
     start = -1
     for _ in range((mutant.nth or 0) + 1):
         start = text.index(mutant.old, start + 1)
@@ -227,9 +227,9 @@ def _child(tree: str, jobs: list, plan: dict) -> list:
 def run_child(tree: Path, jobs: list, plan: Optional[dict] = None, timeout: float = 900.0) -> list:
     plan = plan or {"suite": "smoke", "device": "cpu"}
     env = dict(os.environ, DSV4_MEGATRON=str(tree), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "parity.megatron_mutants", "--child", str(tree), json.dumps(jobs),
+    proc = subprocess.run([sys.executable, "-m", "parity.mutation.megatron_mutants", "--child", str(tree), json.dumps(jobs),
                            json.dumps(plan)], capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
     if proc.returncode != 0 or not lines:
@@ -402,7 +402,7 @@ def _unreachable(mutant: Mutant, why: str, clean: list, plan: Plan) -> Outcome:
         shown = ", ".join(f"{r['case_id']}: {r['outcome']}" for r in ran) or "no case to confirm it"
         return Outcome(mutant.name, "reachable after all",
                        message=f"declared not reachable on {plan.arch} ({why}), but the clean tree ran it: {shown}; "
-                               "update Mutant.unreachable in parity/megatron_mutants.py")
+                               "update Mutant.unreachable in parity/mutation/megatron_mutants.py")
     return Outcome(mutant.name, "not reachable", ",".join(r["case_id"] for r in clean),
                    message=f"on {plan.arch}: {why} (clean: {clean[0]['case_id']} unsupported)")
 
@@ -493,7 +493,7 @@ def main(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":  # the child process: python -m parity.megatron_mutants --child TREE JOBS
+if __name__ == "__main__":  # the child process: python -m parity.mutation.megatron_mutants --child TREE JOBS
     if len(sys.argv) == 5 and sys.argv[1] == "--child":
         with contextlib.redirect_stdout(io.StringIO()):
             rows = _child(sys.argv[2], [tuple(j) for j in json.loads(sys.argv[3])], json.loads(sys.argv[4]))

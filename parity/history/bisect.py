@@ -15,7 +15,7 @@ failing tensors (a fail that moves to other tensors is a change). The tensors th
 sides are printed either way.
 
 Each step runs ``python -m cli run --impl megatron --megatron <worktree>`` in a fresh process (Python imports one
-Megatron-LM per process) in one throwaway worktree of the clone (:class:`parity.git_tree.ThrowawayWorktree`); the
+Megatron-LM per process) in one throwaway worktree of the clone (:class:`parity.history.git_tree.ThrowawayWorktree`); the
 clone's working tree and refs are never touched.
 """
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from . import git_tree
+from parity.history import git_tree
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MODES = ("outcome", "tensors")
 
 
@@ -152,7 +152,7 @@ def _run(tree: Path, case_ids: Sequence[str], suite: str, provider: str, out: Pa
     if done.returncode not in (0, 1) or not stream.is_file():
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return "skip", {}, f"the step exited {done.returncode}: {tail}", ""
-    from .results import read_rows  # here: the parser of `dsv4-parity bisect` imports this module without torch
+    from parity.run.results import read_rows  # here: the parser of `dsv4-parity bisect` imports this module without torch
 
     rows = read_rows(stream)
     run_row = next((r for r in rows if r.get("type") == "run"), {})

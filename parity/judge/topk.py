@@ -20,7 +20,7 @@ Per query row, with the float64 reference scores ``r`` (``-inf`` where not causa
 
 :func:`compare` returns a :class:`TopkReport` with the row counts per regime (the ``topk`` field of the ``case``
 row) and the first mismatch. Structure (width, ``-1`` padding, ascending order, validity) is checked separately by
-:mod:`parity.structure`; this module assumes a structurally valid selection.
+:mod:`parity.judge.structure`; this module assumes a structurally valid selection.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .metrics import eps
+from parity.judge.metrics import eps
 
 #: Declared top-k tie behaviour: ``lower-index`` = among equal scores the lower compressed index wins, always
 #: (deterministic); ``arbitrary`` = any of the tied columns (production kernels).

@@ -25,8 +25,8 @@ import torch
 from cases.case import Case
 from cases.tensors import CaseTensors
 
-from .location import first_where, row_mask
-from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, on_host, other_rows, real_rows, role, scores_of
+from parity.judge.location import first_where, row_mask
+from parity.judge.snapshot import INPUT_ORDER, Snapshot, is_row_tensor, on_host, other_rows, real_rows, role, scores_of
 
 
 INDEXER_GRADS = "grad/core_attention.indexer."
@@ -88,7 +88,7 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
           padding_grads: bool = False, slack_forward_free: bool = False) -> dict[str, list]:
     """Structural problems of ``impl`` (``expect``: same-dtype reference, ``truth``: float64 reference).
     ``padding_grads``: gradients on padding rows are expected (a known deviation's model that keeps their ``dO``,
-    :mod:`parity.known_models`): the "exactly 0 on padding rows" check is left to the numeric comparison."""
+    :mod:`parity.deviations.known_models`): the "exactly 0 on padding rows" check is left to the numeric comparison."""
     problems: dict[str, list] = defaultdict(list)
     mask = tensors.real_rows.cpu()
     slack = torch.tensor([k == "slack" for k in tensors.row_kinds], dtype=torch.bool) if tensors.row_kinds else None

@@ -1,11 +1,11 @@
 """Case isolation: cases run in child processes so that a crash or a sticky CUDA error fails one case only.
 
-The child (``python -m parity.worker``) reads one request per line on stdin, ``{"case": {...}, "options": {...},
-"oracle": null | name}``, runs it with :func:`parity.execution.execute` and answers one line on its protocol channel:
+The child (``python -m parity.run.worker``) reads one request per line on stdin, ``{"case": {...}, "options": {...},
+"oracle": null | name}``, runs it with :func:`parity.run.execution.execute` and answers one line on its protocol channel:
 ``@@dsv4-parity@@ <JSON list of result rows>``. Anything the libraries print goes to stderr (fd 1 is redirected),
 so the channel stays clean. ``DSV4_PARITY_THREADS`` in its environment sets its intra-op thread count.
 
-:class:`WorkerPool` keeps one child per :class:`parity.shard.Slot` (a device and an environment: the slot's
+:class:`WorkerPool` keeps one child per :class:`parity.run.shard.Slot` (a device and an environment: the slot's
 ``CUDA_VISIBLE_DEVICES`` pin and thread counts). :meth:`WorkerPool.run` hands the jobs out in the given order, each
 to the next idle slot, and yields every job as it finishes — so a parent writing them as they come keeps all
 finished cases when it is killed. Each job gets ``timeout`` seconds; a dead or hung child becomes that job's
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 MARK = "@@dsv4-parity@@ "
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 THREADS_ENV = "DSV4_PARITY_THREADS"
 PARENT_ENV = "DSV4_PARITY_PARENT"
 
@@ -91,7 +91,7 @@ class Worker:
 
     def __init__(self, slot, command: Optional[Sequence[str]] = None):
         self.slot = slot
-        self.command = list(command) if command else [sys.executable, "-m", "parity.worker"]
+        self.command = list(command) if command else [sys.executable, "-m", "parity.run.worker"]
         self.proc: Optional[subprocess.Popen] = None
         self.stderr = None
         self.pending = b""
@@ -352,8 +352,8 @@ def main() -> int:
     sys.stdout = sys.stderr
     import torch
 
-    from .engine import configure_torch  # imported after the redirect: importing torch may print
-    from .execution import execute
+    from parity.engine import configure_torch  # imported after the redirect: importing torch may print
+    from parity.run.execution import execute
 
     configure_torch()
     if os.environ.get(THREADS_ENV):

@@ -6,7 +6,7 @@ from a committed JSON file; schema below). After a case is judged against the co
 entries that *match* it (implementation × provider × architecture × case features) and *hold* at the run's revision
 (:func:`holds_at`), and judges the case again:
 
-* an entry with a **model** (``expect.model``, one of :data:`parity.known_models.MODELS`) turns the contract's
+* an entry with a **model** (``expect.model``, one of :data:`parity.deviations.known_models.MODELS`) turns the contract's
   expectation into the documented deviant one; the implementation is judged against it with the normal policy and
   rules (several matching entries compose: two independent deviations in one case). Outcomes:
 
@@ -60,9 +60,9 @@ from cases.case import Case
 from cases.coverage import features
 from cases.errors import CaseError
 
-from . import known_models
-from .padding_dout import TENSOR as CONTRACT
-from .results import FLOAT_MAX
+from parity.deviations import known_models
+from parity.judge.padding_dout import TENSOR as CONTRACT
+from parity.run.results import FLOAT_MAX
 
 REQUIRED = ("id", "upstream", "reason", "evidence", "providers", "architectures", "revisions", "match", "expect")
 RAISES = ("type", "file", "function", "lines")

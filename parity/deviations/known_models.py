@@ -1,17 +1,17 @@
 """Deviation models: what an implementation computes instead of the contract, derived from the reference's own runs.
 
-A known deviation (:mod:`parity.known`) is not a mask over tensor names: its registry entry names a **model** from
+A known deviation (:mod:`parity.deviations.known`) is not a mask over tensor names: its registry entry names a **model** from
 :data:`MODELS`, a small function that turns the contract's expectation of a case (the reference's float64 ``truth``
 and same-dtype ``noise`` snapshots, and what the padding-row contract run must return) into the documented deviant
 one. The engine then judges the implementation against that expectation with the normal policy and rules: ``known``
-only where it matches the model within tolerance (:func:`parity.known.apply`).
+only where it matches the model within tolerance (:func:`parity.deviations.known.apply`).
 
 An :class:`Expectation` holds
 
 * ``truth`` / ``noise``: the snapshots the implementation's run is compared with (``noise`` *is* ``truth`` for a
   float64 case judged at float64; a model then changes it once);
 * ``contract``: ``(truth, noise)`` gradients expected of the implementation's run with ``dO`` on the padding rows only
-  and no loss term (tensor ``contract/padding_dout``, :mod:`parity.padding_dout`); ``None`` is the contract: every
+  and no loss term (tensor ``contract/padding_dout``, :mod:`parity.judge.padding_dout`); ``None`` is the contract: every
   gradient exactly 0;
 * ``padding_grads``: gradients on padding rows are expected (a model that keeps the padding rows' ``dO``): the input
   gradients are then judged numerically on every row instead of "exactly 0 on padding rows" plus real rows only;
@@ -23,7 +23,7 @@ A model gets the expectation and a :class:`ModelContext` (the case, its tensors,
 with_loss)``: the reference's truth and noise runs on other tensors, with the implementation's top-k, in the case's
 judging precision). Models commute with each other where two apply to one case (an entry's model is applied once
 however many entries name it). Conventions: THD rows ``[T, ...]`` (``cases/layout.py``); gradient names
-``grad/<input|parameter>`` (:mod:`parity.snapshot`); the indexer's own parameters ``grad/core_attention.indexer.*``
+``grad/<input|parameter>`` (:mod:`parity.judge.snapshot`); the indexer's own parameters ``grad/core_attention.indexer.*``
 receive gradient only from the KL loss (spec §5: its inputs are detached).
 """
 
@@ -38,8 +38,8 @@ import torch
 from cases.case import Case
 from cases.tensors import CaseTensors
 
-from .padding_dout import padding_dout_only
-from .snapshot import Snapshot
+from parity.judge.padding_dout import padding_dout_only
+from parity.judge.snapshot import Snapshot
 
 #: the indexer's own parameters: trained by the KL loss alone
 INDEXER_GRADS = "grad/core_attention.indexer."
@@ -97,7 +97,7 @@ class Expectation:
 class ModelContext:
     """What a model may use: the case, its materialised tensors, and ``reference(tensors, with_loss) -> (truth,
     noise)`` (the reference's runs on other tensors, with the implementation's top-k). ``cache`` keeps a model's
-    reference runs across the entry subsets :func:`parity.known.apply` tries. ``cp_layout``: how the implementation
+    reference runs across the entry subsets :func:`parity.deviations.known.apply` tries. ``cp_layout``: how the implementation
     partitioned the pack over context-parallel ranks (``{"size", "local", "d_window"}``: rank ``r`` holds rows
     ``[r·local, (r+1)·local)`` of a buffer padded to ``size·local`` rows, its key buffer starting ``d_window`` rows
     before them; :meth:`parity.impls.Implementation.cp_layout`), None without CP."""

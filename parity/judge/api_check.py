@@ -29,7 +29,7 @@ import torch
 from cases.case import Case
 from cases.tensors import CaseTensors, api_inputs
 
-from .snapshot import Snapshot
+from parity.judge.snapshot import Snapshot
 
 ATTENTION = "core_attention.compressor"
 INDEXER = "core_attention.indexer.compressor"

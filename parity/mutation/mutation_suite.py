@@ -1,10 +1,10 @@
-"""The mutation suite (``dsv4-parity mutants``) — every planted bug of :mod:`parity.mutants` must fail the parity suite.
+"""The mutation suite (``dsv4-parity mutants``) — every planted bug of :mod:`parity.mutation.mutants` must fail the parity suite.
 
 For a suite (default ``smoke``), fused with the ``torch`` provider against the reference, in-process:
 
 1. the **clean run**: every case, unmutated, written to ``<out>/results.jsonl`` like ``dsv4-parity run`` (the HTML
    report of the run directory then shows the kill matrix too). Only cases that pass clean can kill a mutant;
-2. per mutant, the cases that hit one of its declared **reach cells** (:data:`parity.mutants.MUTANTS`, feature cells of
+2. per mutant, the cases that hit one of its declared **reach cells** (:data:`parity.mutation.mutants.MUTANTS`, feature cells of
    :func:`cases.coverage.features`), fastest first (clean duration), until the first case that fails or errors —
    the mutant is **killed** there (``--keep-going`` runs every reaching case);
 3. ``<out>/mutants.jsonl`` (``reports/mutants.py``): per kill one row per failing tensor of the killing case
@@ -12,7 +12,7 @@ For a suite (default ``smoke``), fused with the ``torch`` provider against the r
    ``noise_floor``, ``similarity``, ``aggregate``, ``tie_margin``, or ``error`` for an exception, tensor
    ``(exception)``); otherwise one row ``{mutant, status, null, null, null}``.
 
-A mutant is **survived** when some case executed its planted code (``parity.mutants.reached``) and no case failed;
+A mutant is **survived** when some case executed its planted code (``parity.mutation.mutants.reached``) and no case failed;
 **unreachable** when no case of the selection hits a declared cell (the missing cells are printed) or none of the
 cases that do executed the point. Exit 0 iff the clean run passed and every mutant was killed; the last line reads
 ``mutants: K/N killed``.
@@ -29,12 +29,12 @@ from typing import Callable, Optional, Sequence
 from cases.case import Case
 from cases.coverage import Cell, cell_name, features, hits, parse_cell
 
-from . import mutants
-from . import policy as policy_mod
-from . import runner
-from .engine import RunOptions, run_case
-from .execution import load_impl
-from .names import MUTANTS_NAME
+from parity import policy as policy_mod
+from parity.engine import RunOptions, run_case
+from parity.mutation import mutants
+from parity.names import MUTANTS_NAME
+from parity.run import runner
+from parity.run.execution import load_impl
 
 @dataclass
 class Kill:
@@ -77,7 +77,7 @@ def reaches(feats: dict, cells: Sequence[Optional[Cell]]) -> bool:
 
 # ---- running ------------------------------------------------------------------------------------------------------
 def kills_of(result) -> list[Kill]:
-    """The failing checks of a failed / errored :class:`parity.results.CaseResult`, first failure first."""
+    """The failing checks of a failed / errored :class:`parity.run.results.CaseResult`, first failure first."""
     if result.outcome == "error":
         return [Kill(result.case_id, "(exception)", "error", result.message)]
     first = result.first_failure or {}
@@ -138,7 +138,7 @@ def describe(o: MutantOutcome) -> str:
             (f" (or any of: {'; '.join(o.missing[1:])})" if len(o.missing) > 1 else "")
     if o.reaching == 0:
         return f"{head} no case that hits its cells passes clean"
-    return f"{head} {o.reaching} cases hit its cells but none executed the planted code: fix its reach cells (parity/mutants.py)"
+    return f"{head} {o.reaching} cases hit its cells but none executed the planted code: fix its reach cells (parity/mutation/mutants.py)"
 
 
 def write_rows(outcomes: Sequence[MutantOutcome], path: Path) -> Path:
@@ -167,7 +167,7 @@ def mutation_suite(cases: Sequence[Case], names: Sequence[str], out_dir: Path, *
                    run_id: Optional[str] = None) -> tuple[dict, list[MutantOutcome]]:
     """The clean run (``out_dir/results.jsonl``), then every mutant of ``names``; writes ``mutants.jsonl``.
     Returns ``(clean counts, outcomes)``. ``out_dir`` is prepared as for ``dsv4-parity run`` (a directory holding
-    a run is refused unless ``force`` replaces it: :mod:`parity.rundir`); ``link`` (a symlink) is pointed at it once
+    a run is refused unless ``force`` replaces it: :mod:`parity.run.rundir`); ``link`` (a symlink) is pointed at it once
     the clean run starts."""
     if mutants.active():
         raise RuntimeError(f"mutants {sorted(mutants.active())} are active: the clean run would not be clean")

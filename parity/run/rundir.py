@@ -101,7 +101,7 @@ def _lock(path: Path) -> int:
     return fd
 
 
-#: what a run killed while starting leaves (:func:`parity.results.create_stream`): deleted, never counted as content
+#: what a run killed while starting leaves (:func:`parity.run.results.create_stream`): deleted, never counted as content
 STALE = RESULTS_NAME + ".tmp"
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _dist_version(*names: str) -> Optional[str]:

@@ -2,7 +2,7 @@
 
 Rules, evaluated in this order; a tensor fails at the first rule it breaks, and that rule is reported:
 
-1. ``structure``   exact checks (:mod:`parity.structure`);
+1. ``structure``   exact checks (:mod:`parity.judge.structure`);
 2. ``noise_floor`` ``max|a - r| / (max|p - r| + ulp floor + atol)`` ≤ factor (FlashAttention's rule; tensors of
                    at most ``scalar_numel`` elements, e.g. the sink gradient and the loss, get FA4's per-element
                    ULP allowance on top);
@@ -14,8 +14,8 @@ Rules, evaluated in this order; a tensor fails at the first rule it breaks, and 
                    first-order detector of a systematic scale bias that the max-abs rule can miss in bf16; not
                    for tensors under the per-element rule, whose "scale" is just their value).
 
-Top-k selections use rule ``tie_margin`` (:mod:`parity.topk`) after ``structure``. Rule ``contract`` (tensor
-``contract/padding_dout``, :mod:`parity.padding_dout`) is structural too: the output gradient of the padding rows
+Top-k selections use rule ``tie_margin`` (:mod:`parity.judge.topk`) after ``structure``. Rule ``contract`` (tensor
+``contract/padding_dout``, :mod:`parity.judge.padding_dout`) is structural too: the output gradient of the padding rows
 alone reached a gradient of the implementation; it ranks right after ``structure``, so a leak decides the case as a contract
 violation, not as a numerics difference.
 
@@ -34,12 +34,11 @@ import torch
 from cases.case import Case
 from cases.tensors import CaseTensors
 
-from . import metrics
-from . import topk as topk_protocol
-from .location import where_worst
-from .padding_dout import TENSOR, verdict_message
-from .policy import Policy, Tolerance
-from .snapshot import Snapshot, is_row_tensor, real_rows, role, scores_of, tensor_class
+from parity.judge import metrics, topk as topk_protocol
+from parity.judge.location import where_worst
+from parity.judge.padding_dout import TENSOR, verdict_message
+from parity.judge.snapshot import Snapshot, is_row_tensor, real_rows, role, scores_of, tensor_class
+from parity.policy import Policy, Tolerance
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 RULES = ("structure", "contract", "noise_floor", "similarity", "aggregate", "tie_margin")
@@ -177,10 +176,10 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
                        ) -> tuple[list, Optional[topk_protocol.TopkReport]]:
     """One :class:`TensorResult` per tensor name, and the top-k report (None without an indexer).
 
-    ``tie_rule``: the implementation's declared top-k tie rule (:data:`parity.topk.TIE_RULES`). ``precision``: the
+    ``tie_rule``: the implementation's declared top-k tie rule (:data:`parity.judge.topk.TIE_RULES`). ``precision``: the
     dtype the implementation declares it computes the case in (default the case dtype); the tolerances, ULP floor
     and tie margins are that dtype's (the noise run was made in it). ``padding_grads``: the expected input gradients
-    are non-zero on padding rows (a known deviation's model, :mod:`parity.known_models`): they are compared on every
+    are non-zero on padding rows (a known deviation's model, :mod:`parity.deviations.known_models`): they are compared on every
     row."""
     mask = tensors.real_rows.cpu()
     real = _RealRows(mask)
@@ -252,7 +251,7 @@ def _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, 
 
 
 def contract_tensor(leaks: list) -> TensorResult:
-    """Tensor ``contract/padding_dout`` from :func:`parity.padding_dout.leaks` (empty: the contract holds)."""
+    """Tensor ``contract/padding_dout`` from :func:`parity.judge.padding_dout.leaks` (empty: the contract holds)."""
     rows = [MetricRow("leaking_gradients", float(len(leaks)), 0.0, not leaks),
             MetricRow("nonzero_elements", float(sum(n for _, n, _ in leaks))),
             MetricRow("max_abs", max((size for _, _, size in leaks), default=0.0))]
@@ -263,7 +262,7 @@ def contract_tensor(leaks: list) -> TensorResult:
 def contract_tensor_modelled(impl: Snapshot, truth: Snapshot, noise: Snapshot, policy: Policy, provider: str,
                              precision: str) -> TensorResult:
     """Tensor ``contract/padding_dout`` against a known deviation's model of the padding-dO-only run
-    (:mod:`parity.known_models`): a gradient the model expects (non-zero in ``truth``) is judged like the main run's
+    (:mod:`parity.deviations.known_models`): a gradient the model expects (non-zero in ``truth``) is judged like the main run's
     gradients (rules 2-4 on the whole tensor, ``noise`` the same-dtype reference); every other gradient must be
     exactly 0 (or absent), as under the contract."""
     leaks, off, compared = [], [], 0

@@ -6,7 +6,7 @@ before torch is loaded (this module imports none of it):
 * ``--workers`` is a positive integer or ``auto`` (:func:`parse_workers`);
 * ``--policy`` must be a readable, valid tolerance policy (otherwise every case would end in the same error).
 
-Whether every case fits in memory is :mod:`parity.memory` (it needs the cases).
+Whether every case fits in memory is :mod:`parity.run.memory` (it needs the cases).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Union
 
 from cases.errors import CaseError
 
-from .policy import load as load_policy
+from parity.policy import load as load_policy
 
 
 def _positive(args: argparse.Namespace, dest: str, option: str, what: str) -> None:
@@ -48,7 +48,7 @@ def check_run_options(args: argparse.Namespace) -> None:
     _positive(args, "timeout", "--timeout", "a positive number of seconds")
     _positive(args, "limit", "--limit", "at least 1")
     threads = getattr(args, "threads", None)
-    if threads is not None and threads < 1:  # the field name the runner used for it (parity.runner.run)
+    if threads is not None and threads < 1:  # the field name the runner used for it (parity.run.runner.run)
         raise CaseError("threads", f"must be a positive integer, got {threads}")
     parse_workers(getattr(args, "workers", None))
     if getattr(args, "policy", None):

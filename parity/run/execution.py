@@ -1,5 +1,5 @@
-"""One request run in this process: what :func:`parity.runner.run` does in-process and the worker child
-(:mod:`parity.worker`) does per line, so neither of the two imports the other for it.
+"""One request run in this process: what :func:`parity.run.runner.run` does in-process and the worker child
+(:mod:`parity.run.worker`) does per line, so neither of the two imports the other for it.
 
 A request is ``{"case": {...}, "options": {...}, "oracle": null | name}``; the answer is the case's result rows.
 """
@@ -10,10 +10,10 @@ import functools
 
 from cases.case import Case
 
-from . import results
-from .engine import RunOptions, one_line, run_case
-from .impls import Implementation, load
-from .metamorphic import run_oracle
+from parity.engine import RunOptions, one_line, run_case
+from parity.impls import Implementation, load
+from parity.oracles.metamorphic import run_oracle
+from parity.run import results
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,5 @@
 """The decision of the kernel-level checks (:mod:`parity.kernel_checks`): which rule judges each compared tensor,
-the metrics it reads (from :mod:`parity.metrics`) and the bounds it applies (policy ``kernels.rules``).
+the metrics it reads (from :mod:`parity.judge.metrics`) and the bounds it applies (policy ``kernels.rules``).
 
 A kernel check compares one GPU provider call with the torch provider on identical inputs and yields, per tensor,
 ``(stage, tensor name, kernel tensor, torch tensor, mask)``. :func:`rule_for` names the policy rule of that tensor,
@@ -16,8 +16,8 @@ import torch
 
 from cases.errors import CaseError
 
-from . import metrics
-from . import policy as policy_mod
+from parity import policy as policy_mod
+from parity.judge import metrics
 
 #: Metric columns of a kernel_parity.csv row (besides stage, call, provider, tensor, outcome, message).
 METRIC_KEYS = ("n", "max_abs", "max_rel", "rel_l2", "cosine", "mixed", "nan")
@@ -53,7 +53,7 @@ def rule_for(stage: str, tensor: str) -> Optional[str]:
         return STAGE_RULES[stage][tensor]
     except KeyError:
         raise CaseError("kernel check", f"no rule for tensor {tensor!r} of stage {stage!r} "
-                                        f"(parity/kernel_rules.py STAGE_RULES)") from None
+                                        f"(parity/judge/kernel_rules.py STAGE_RULES)") from None
 
 
 @dataclass(frozen=True)

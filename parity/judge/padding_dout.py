@@ -10,7 +10,7 @@ Two checks of it, both structural (no tolerance: a masking implementation never 
   kernels that accumulate non-deterministically (the cuDNN sparse backward on sm90). Tensor
   ``contract/padding_dout``, rule ``contract``: a leak is reported as a contract violation, never as a numerics
   difference.
-* the ``padding-dout`` metamorphic oracle (:mod:`parity.metamorphic`): a huge random ``dO`` on every padding row vs
+* the ``padding-dout`` metamorphic oracle (:mod:`parity.oracles.metamorphic`): a huge random ``dO`` on every padding row vs
   none, every real-row result bit-identical (:func:`compared` says what is compared).
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from cases.tensors import CaseTensors
 
-from .snapshot import Snapshot, is_row_tensor, real_rows
+from parity.judge.snapshot import Snapshot, is_row_tensor, real_rows
 
 TENSOR = "contract/padding_dout"
 

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional
 from cases.case import Case
 from cases.vocabulary import ALWAYS_COUNTED, OUTCOMES
 
-from .verdict import MetricRow, TensorResult
+from parity.judge.verdict import MetricRow, TensorResult
 
 FLOAT_MAX = 1.7976931348623157e308
 
@@ -53,10 +53,10 @@ class CaseResult:
     plan: dict = field(default_factory=dict)
     topk: Optional[dict] = None
     tensors: list = field(default_factory=list)  # verdict.TensorResult
-    sign_split: Optional[dict] = None  # {adopted, rejected, window_usage, scores} of the truth run (parity/sign_split.py)
+    sign_split: Optional[dict] = None  # {adopted, rejected, window_usage, scores} of the truth run (parity/judge/sign_split.py)
     not_provided: dict = field(default_factory=dict)  # {tensor: why the implementation has none}
     precision: Optional[str] = None  # the implementation's declared working precision, when below the case dtype
-    known: Optional[dict] = None  # the known deviation that matched ({id, status, ...}), see parity.known
+    known: Optional[dict] = None  # the known deviation that matched ({id, status, ...}), see parity.deviations.known
 
     @property
     def case_id(self) -> str:
@@ -165,7 +165,7 @@ class ResultsWriter:
 def create_stream(path: Path, rows: Iterable[dict]) -> None:
     """Create ``path`` holding ``rows`` (a run's ``run`` row) in one step: written to ``<path>.tmp``, synced, renamed.
     A run killed while starting leaves no ``results.jsonl`` without its ``run`` row (at most the temporary, which
-    the next run in the directory deletes, :mod:`parity.rundir`). Raises :class:`ResultsWriteError`."""
+    the next run in the directory deletes, :mod:`parity.run.rundir`). Raises :class:`ResultsWriteError`."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:

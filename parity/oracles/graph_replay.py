@@ -1,4 +1,4 @@
-"""CUDA-graph replay under re-packing: the machinery of the ``graph-replay`` oracle (:mod:`parity.metamorphic`).
+"""CUDA-graph replay under re-packing: the machinery of the ``graph-replay`` oracle (:mod:`parity.oracles.metamorphic`).
 
 Production captures the layer once per static shape: a THD buffer of ``T`` rows, ``cu_seqlens*`` of a fixed number
 of entries, a fixed compressed capacity and a host ``max_seqlen``. Each step then **overwrites the cu_seqlens
@@ -25,7 +25,7 @@ from cases.case import Case
 from cases.layout import ThdLayout
 from cases.tensors import CaseTensors, materialize
 
-from .snapshot import FORWARD_NAMES, INPUT_ORDER, _call
+from parity.judge.snapshot import FORWARD_NAMES, INPUT_ORDER, _call
 
 
 def capture_graph(fn: Callable[[], Any], warmups: int = 1) -> tuple:
@@ -84,7 +84,7 @@ def packing_grad_output(case: Case, layout: ThdLayout, device) -> torch.Tensor:
 class GraphStep:
     """Static buffers of one forward + backward of ``api`` (``attention_layer`` / ``core_attention``) on the case's
     tensors under ``layout`` with the static ``max_seqlen`` envelope (the buffer length); :meth:`run` returns the
-    snapshot tensors (names of :mod:`parity.snapshot`), all produced on the step's own buffers."""
+    snapshot tensors (names of :mod:`parity.judge.snapshot`), all produced on the step's own buffers."""
 
     def __init__(self, api: Any, case: Case, tensors: CaseTensors, layout: ThdLayout):
         self.api, self.case = api, case

@@ -10,7 +10,7 @@ oracle                 property                                                 
                        (forward, loss, every gradient), and padding-row input gradients stay exactly 0
 ``padding-dout``       a huge random output gradient on every padding row (alignment padding, dummy tail,     exact
                        slack) changes nothing: real-row forward tensors, the loss and every gradient (in
-                       full) bit-identical to the run with dO zeroed there (:mod:`parity.padding_dout`)
+                       full) bit-identical to the run with dO zeroed there (:mod:`parity.judge.padding_dout`)
 ``unpadded``           the poisoned padded pack equals the same segments packed without padding or slack     ulp
 ``capacity``           a compressed-row capacity (``total_comp_capacity``) equals the exact count            ulp
 ``identical-segments`` segments whose leading rows are equal give equal rows (causality: equal prefixes →     ulp
@@ -61,16 +61,17 @@ from cases.coverage import features
 from cases.layout import BshdLayout, ThdLayout
 from cases.tensors import DOUT_POISON, CaseTensors, materialize
 
-from . import graph_replay, known
-from . import metrics
-from . import policy as policy_mod
-from .engine import RunOptions, _where, one_line, reference_runs, run_case
-from .impls import Implementation, is_unsupported, load, policy_provider
-from .names import ORACLE_SUMMARIES
-from .padding_dout import compared
-from .results import CaseResult
-from .snapshot import INPUT_ORDER, Snapshot, is_row_tensor, take_snapshot, tensor_class
-from .verdict import MetricRow, TensorResult
+from parity import policy as policy_mod
+from parity.deviations import known
+from parity.engine import RunOptions, _where, one_line, reference_runs, run_case
+from parity.impls import Implementation, is_unsupported, load, policy_provider
+from parity.judge import metrics
+from parity.judge.padding_dout import compared
+from parity.judge.snapshot import INPUT_ORDER, Snapshot, is_row_tensor, take_snapshot, tensor_class
+from parity.judge.verdict import MetricRow, TensorResult
+from parity.names import ORACLE_SUMMARIES
+from parity.oracles import graph_replay
+from parity.run.results import CaseResult
 
 POISON = 1e3
 

@@ -1,11 +1,11 @@
 """Sharding one sweep over the devices of one machine: how many workers, where each runs, which case goes first.
 
-``dsv4-parity run --workers N|auto`` starts ``N`` worker processes (:class:`parity.worker.WorkerPool`):
+``dsv4-parity run --workers N|auto`` starts ``N`` worker processes (:class:`parity.run.worker.WorkerPool`):
 
 * **auto** (:func:`auto_workers`) = on CUDA ``gpus × per_gpu`` with ``per_gpu = clamp(cores // (2 × gpus), 1, 6)``
   (16 cores and one GPU: 6 workers; 2 cores: 1), else 1. Several workers per GPU because a GPU sweep is host-bound
   (first-call kernel JIT compiles, CPU-side tensor draws) while the GPU mostly idles; a case that runs out of GPU
-  memory while sharing its GPU is re-run alone on it (:class:`parity.worker.WorkerPool`). With one worker nothing
+  memory while sharing its GPU is re-run alone on it (:class:`parity.run.worker.WorkerPool`). With one worker nothing
   changes: the cases run in suite order, in-process on CPU and in one unpinned child on CUDA (as before
   ``--workers``).
 * **Pinning**: worker ``i`` of a multi-worker CUDA run gets ``CUDA_VISIBLE_DEVICES=<token i mod #devices>`` (the
@@ -52,7 +52,7 @@ from typing import Mapping, Optional, Sequence, Union
 from cases.case import Case
 from cases.tensors import DRAW_THREADS_ENV
 
-from .usage import parse_workers
+from parity.run.usage import parse_workers
 
 #: Relative cost of one multiply-add per dtype, per device kind. CUDA: bf16 on tensor cores vs fp32 / fp64 on the
 #: CUDA cores (H100/H200: ~990 vs ~67 dense TFLOP/s, fp64 half of fp32 outside tensor-core GEMMs). CPU: fp32 SIMD,
@@ -106,7 +106,7 @@ def auto_workers(device: str, gpus: int, cores: int) -> int:
     least), so each keeps cores for its draws and compiles (:func:`plan_slots` gives it ``cores // workers``
     threads, and its draws twice that); at most 6 share one GPU (past 6 the 16-core H200 host got slower again),
     which bounds the GPU memory that concurrent cases hold (a case that still runs
-    out of GPU memory while sharing is re-run alone on its GPU by :class:`parity.worker.WorkerPool`). On CPU one
+    out of GPU memory while sharing is re-run alone on its GPU by :class:`parity.run.worker.WorkerPool`). On CPU one
     worker, as before: the cases are compute-bound there, so more processes would only split the same cores.
     """
     if device != "cuda" or gpus < 1:

@@ -1,0 +1,1 @@
+"""Production across its history: first-parent chains, throwaway worktrees, bisecting a verdict."""

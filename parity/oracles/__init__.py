@@ -1,0 +1,1 @@
+"""Metamorphic oracles: one implementation against itself under a transformation that must not matter."""
