@@ -43,6 +43,12 @@ for r in cases:
         print(f"  {r['outcome']:<11} {r['case_id']}  {r['message'][:400]}")
 PY
 }
+keep_paths() {  # gate directory, name: each path's results under $OUT/<name>/<path>.jsonl, summarised
+  for p in unfused cudnn; do
+    [ -f "$1/$p/results.jsonl" ] && mkdir -p "$out/$2" && cp "$1/$p/results.jsonl" "$out/$2/$p.jsonl" && \
+      summarise "$1/$p/results.jsonl" "$2 $p"
+  done
+}
 for stage in "${@:-knobs parent head}"; do
   for s in $stage; do
     t0=$(date +%s)
@@ -51,10 +57,7 @@ for stage in "${@:-knobs parent head}"; do
         timeout -k 10 "$(left 200)" python3 -m cli gate --impl megatron --paths unfused,cudnn --suite gate \
           $(ids $ROPE $ZERO) --baseline none --workers auto --out /tmp/knobs --quiet > /tmp/knobs.log 2>&1
         note "knobs: gate exit $? in $(( $(date +%s) - t0 )) s"; tail -4 /tmp/knobs.log >> "$out/summary.txt"
-        for p in unfused cudnn; do
-          [ -f "/tmp/knobs/$p/results.jsonl" ] && mkdir -p "$out/knobs" && \
-            cp "/tmp/knobs/$p/results.jsonl" "$out/knobs/$p.jsonl" && summarise "/tmp/knobs/$p/results.jsonl" "knobs $p"
-        done ;;
+        keep_paths /tmp/knobs knobs ;;
       parent)
         timeout -k 10 "$(left 380)" python3 -m cli run --impl megatron --provider cudnn --megatron "$PWD/.mg/m12d3cc03e3" \
           --suite gate $(ids $PARENT) --workers auto --out /tmp/parent --force --quiet > /tmp/parent.log 2>&1
@@ -67,10 +70,7 @@ for stage in "${@:-knobs parent head}"; do
         timeout -k 10 "$(left 575)" python3 -m cli gate --impl megatron --suite gate --workers auto --budget-s \
           $(( budget / 2 )) --out /tmp/head --quiet > /tmp/head.log 2>&1
         note "head: gate exit $? in $(( $(date +%s) - t0 )) s (budget $(( budget / 2 )) s per path)"; tail -12 /tmp/head.log >> "$out/summary.txt"
-        for p in unfused cudnn; do
-          [ -f "/tmp/head/$p/results.jsonl" ] && mkdir -p "$out/head" && \
-            cp "/tmp/head/$p/results.jsonl" "$out/head/$p.jsonl" && summarise "/tmp/head/$p/results.jsonl" "head $p"
-        done ;;
+        keep_paths /tmp/head head ;;
       baseline)
         # the fused path at head on the whole gate, retaken as h200/megatron-cudnn-gate (.ci/h200-megatron.sh), then
         # the unfused path with fewer workers (6 shared one GPU and ran out of memory) in the time left
