@@ -44,10 +44,16 @@ def short(filename: str, function: str, line: int | str) -> str:
     return "/".join(filename.split("/")[-2:]) + f":{function}:{line}"
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says the device ran out of memory: a condition of the machine and of what shares it, never the
+    code under test's behaviour on the case."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
 def raised_in_backward_without_frame(exc: BaseException) -> bool:
     """The exception came out of an autograd backward and no frame of the code under test lies past the harness's
     backward call (a C++ node raised it). Out-of-memory errors are excluded (a re-run would only run out again)."""
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+    if out_of_memory(exc):
         return False
     frames = traceback.extract_tb(exc.__traceback__)
     names = [f.name for f in frames]

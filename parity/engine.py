@@ -170,12 +170,6 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
     return result
 
 
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` says the device ran out of memory: a condition of the machine and of what shares it, never the
-    code under test's behaviour on the case (an ``error``, which a worker sharing the GPU re-runs alone)."""
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
 @dataclass
 class CaseRuns:
     """The runs a case was judged on, kept so that :func:`parity.deviations.known.apply` can judge it again against a known
@@ -275,7 +269,9 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
-        own = impl.raised_in_own_code(exc) if stage.startswith(impl.name) and not out_of_memory(exc) else None
+        # out of memory is the machine's condition, not the case's: an ``error``, which a shared GPU re-runs alone
+        own = impl.raised_in_own_code(exc) if stage.startswith(impl.name) and \
+            not backward_origin.out_of_memory(exc) else None
         if own:  # the code under test raised on a valid case: its behaviour (a failure), not a harness error
             result.first_failure = {"tensor": None, "rule": "raised", "message": one_line(exc)}
             return finish("fail", "raised", f"{stage}: {impl.name} raised in its own code: {one_line(exc)} [{own}]",

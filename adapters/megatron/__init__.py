@@ -57,15 +57,14 @@ def raised_in_own_code(exc: BaseException):
     root = str(mg.source.root) + os.sep
     remote = getattr(exc, "remote_raised", None)  # a context-parallel rank's exception (adapters.megatron.cp)
     if isinstance(remote, dict) and remote.get("file"):
-        name = str(remote["file"])
-        return f"{os.path.relpath(name, root)}:{remote.get('line')}" if os.path.abspath(name).startswith(root) \
-            else None
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        name = frame.filename
-        if "/site-packages/" in name or "/torch/" in name:
-            continue
-        return f"{os.path.relpath(name, root)}:{frame.lineno}" if os.path.abspath(name).startswith(root) else None
-    return None
+        name, line = str(remote["file"]), remote.get("line")
+    else:
+        frame = next((f for f in reversed(traceback.extract_tb(exc.__traceback__))
+                      if "/site-packages/" not in f.filename and "/torch/" not in f.filename), None)
+        if frame is None:
+            return None
+        name, line = frame.filename, frame.lineno
+    return f"{os.path.relpath(name, root)}:{line}" if os.path.abspath(name).startswith(root) else None
 
 
 def precision(case) -> str:
