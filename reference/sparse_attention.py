@@ -43,10 +43,71 @@ def selected_compressed_indices(topk: torch.Tensor, seq_len: int, ratio: int, n_
 
 
 def gather_rows(kv_full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``kv_full [B, N, D]``, ``ids [B, s, k]`` (``-1`` allowed) -> ``[B, s, k, D]`` (``-1`` slots read row 0)."""
-    B = kv_full.shape[0]
-    batch = torch.arange(B, device=kv_full.device).view(B, 1, 1)
-    return kv_full[batch, ids.clamp(min=0)]
+    """``kv_full [B, N, D]``, ``ids [B, s, k]`` (``-1`` allowed) -> ``[B, s, k, D]`` (``-1`` slots read row 0 and send
+    it no gradient: every caller masks them). The gradient is :func:`sum_rows_in_order` (:class:`_GatherRows`)."""
+    return _GatherRows.apply(kv_full, ids)
+
+
+def sum_rows_in_order(values: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """``out [rows, D]``: ``out[r]`` is the sum of the rows ``values[m]`` (``values [M, D]``) with ``ids[m] == r``
+    (``ids [M]`` int64; entries with ``ids < 0`` are dropped), added one at a time in increasing ``m``, each addition
+    rounded to ``values.dtype``.
+
+    That is exactly what autograd's deterministic ``index_put_(accumulate=True)`` computes for the gradient of a row
+    gather ``x[ids]`` (its CPU loop and its CUDA kernel both add a row's duplicates in index order), so the result
+    is bit-identical to it. Only the schedule differs: the CUDA kernel adds each row's duplicates one after another
+    in one warp, which is slow when rows repeat hundreds of times (a window key is read by ``W`` query rows, a
+    compressed key by every row that selects it). Here the duplicates are ranked within their row and the
+    ``j``-th duplicates of all rows are added together, one vector add per rank.
+    """
+    D = values.shape[-1]
+    out = values.new_zeros((rows, D))
+    keep = ids >= 0
+    if not bool(keep.all()):
+        kept = keep.nonzero().squeeze(1)
+        values, ids = values.index_select(0, kept), ids.index_select(0, kept)
+    M = ids.numel()
+    if M == 0:
+        return out
+    sorted_ids, perm = torch.sort(ids, stable=True)                   # duplicates keep their order
+    row_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    R = row_ids.numel()
+    run = torch.repeat_interleave(torch.arange(R, device=ids.device), counts, output_size=M)  # [M] its run
+    rank = torch.arange(M, device=ids.device) - (torch.cumsum(counts, 0) - counts)[run]  # its place in the run
+    by_count = torch.sort(counts, descending=True, stable=True).indices             # runs, longest first
+    place = torch.empty_like(by_count)
+    place[by_count] = torch.arange(R, device=ids.device)
+    # entries laid out rank by rank, each rank in by_count order: the runs that have a j-th entry are a prefix
+    layout = torch.argsort(rank * R + place[run])
+    ordered = values.index_select(0, perm.index_select(0, layout))
+    per_rank = torch.bincount(rank).tolist()
+    acc = ordered[:per_rank[0]].clone()
+    at = per_rank[0]
+    for n in per_rank[1:]:
+        acc[:n] += ordered[at:at + n]
+        at += n
+    out[row_ids.index_select(0, by_count)] = acc
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """``kv_full[b, ids[b]]`` per batch ``b``; backward: :func:`sum_rows_in_order` over the flattened rows."""
+
+    @staticmethod
+    def forward(ctx, kv_full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        B, N = kv_full.shape[:2]
+        batch = torch.arange(B, device=kv_full.device).view(B, 1, 1)
+        ctx.save_for_backward(ids)
+        ctx.rows = (B, N)
+        return kv_full[batch, ids.clamp(min=0)]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        B, N = ctx.rows
+        flat = torch.where(ids >= 0, ids + N * torch.arange(B, device=ids.device).view(B, 1, 1), -1)
+        summed = sum_rows_in_order(grad.reshape(-1, grad.shape[-1]), flat.reshape(-1), B * N)
+        return summed.view(B, N, grad.shape[-1]), None
 
 
 def attend_rows(query: torch.Tensor, kv_full: torch.Tensor, ids: torch.Tensor, sink: torch.Tensor,

@@ -1,0 +1,84 @@
+"""The reference's row gather: the plain indexing forward, and a gradient bit-identical to autograd's deterministic
+``index_put_(accumulate=True)`` (duplicates added one at a time, in index order), scheduled rank by rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference.sparse_attention import gather_rows, sum_rows_in_order
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+def plain_gather(kv_full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The gather autograd differentiates by itself (the spec's ``kv_full[b, ids]``)."""
+    batch = torch.arange(kv_full.shape[0], device=kv_full.device).view(-1, 1, 1)
+    return kv_full[batch, ids.clamp(min=0)]
+
+
+def grads(gather, kv_full: torch.Tensor, ids: torch.Tensor, dout: torch.Tensor) -> tuple:
+    leaf = kv_full.clone().requires_grad_(True)
+    out = gather(leaf, ids)
+    out.backward(dout)
+    return out.detach(), leaf.grad
+
+
+def heavy_duplicates(device: str, dtype: torch.dtype, B: int = 2, N: int = 40, s: int = 48, k: int = 24):
+    """Ids where some rows repeat dozens of times (a window and a few popular keys), like a block's key sets."""
+    g = torch.Generator().manual_seed(7)
+    window = (torch.arange(s).view(s, 1) + torch.arange(k // 2)).clamp(max=N - 1)
+    popular = torch.randint(0, 5, (s, k - k // 2), generator=g)
+    ids = torch.cat((window, popular), dim=1).expand(B, s, k).clone()
+    ids[1] = torch.randint(0, N, (s, k), generator=g)
+    kv = torch.randn(B, N, 19, generator=g, dtype=torch.float64).to(dtype)
+    dout = torch.randn(B, s, k, 19, generator=g, dtype=torch.float64).to(dtype)
+    return kv.to(device), ids.to(device), dout.to(device)
+
+
+def devices() -> list:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradient_is_bit_identical_to_autograds_index_put(device, dtype):
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    kv, ids, dout = heavy_duplicates(device, dtype)
+    out, grad = grads(gather_rows, kv, ids, dout)
+    want_out, want = grads(plain_gather, kv, ids, dout)
+    assert torch.equal(out, want_out)
+    assert torch.equal(grad, want)
+    assert int(torch.bincount(ids[0].reshape(-1)).max()) >= 20  # the duplicates the schedule is for
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_control_another_order_of_the_same_terms_differs(dtype):
+    """The bit-identity above is a real check: adding the same duplicates in reverse order changes the result."""
+    kv, ids, dout = heavy_duplicates("cpu", dtype)
+    _, want = grads(plain_gather, kv, ids, dout)
+    flat = (ids + kv.shape[1] * torch.arange(kv.shape[0]).view(-1, 1, 1)).reshape(-1)
+    values = dout.reshape(-1, dout.shape[-1])
+    reversed_order = sum_rows_in_order(values.flip(0), flat.flip(0), kv.shape[0] * kv.shape[1])
+    close = 1e-3 if dtype != torch.bfloat16 else 1.0  # the same sums, other roundings (bf16: one per addition)
+    assert torch.allclose(reversed_order.view_as(want).double(), want.double(), rtol=close, atol=close)
+    assert not torch.equal(reversed_order.view_as(want), want)
+
+
+def test_padding_slots_read_row_0_and_send_it_no_gradient():
+    kv = torch.randn(1, 6, 4, dtype=torch.float64)
+    ids = torch.tensor([[[2, -1, -1], [3, 2, -1]]])
+    dout = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    out, grad = grads(gather_rows, kv, ids, dout)
+    assert torch.equal(out[0, 0, 1], kv[0, 0]) and torch.equal(out[0, 1, 2], kv[0, 0])
+    assert torch.equal(grad[0, 0], torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(grad[0, 2], dout[0, 0, 0] + dout[0, 1, 1])
+    assert torch.equal(grad[0, 3], dout[0, 1, 0])
+    _, plain = grads(plain_gather, kv, ids, dout)  # negative control: autograd's own gather sends them to row 0
+    assert not torch.equal(plain[0, 0], torch.zeros(4, dtype=torch.float64))
+
+
+def test_no_ids_and_only_padding_give_zero_gradients():
+    values = torch.randn(3, 5)
+    assert torch.equal(sum_rows_in_order(values, torch.tensor([-1, -1, -1]), 4), torch.zeros(4, 5))
+    assert torch.equal(sum_rows_in_order(values[:0], torch.zeros(0, dtype=torch.int64), 2), torch.zeros(2, 5))
