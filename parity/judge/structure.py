@@ -84,6 +84,54 @@ def topk_problems(idx: torch.Tensor, scores: torch.Tensor, k: int) -> list[str]:
     return problems
 
 
+def _suspects(impl: Snapshot, truth: Snapshot, mask: torch.Tensor, slack, padding_grads: bool,
+              slack_forward_free: bool) -> set:
+    """The tensors of ``impl`` on which some value check of :func:`check` would report a problem, screened where the
+    tensors are (one boolean per tensor, read back in one transfer): only these are copied to the host, where
+    :func:`check` words the problem and locates it. Each flag is the disjunction of exactly the conditions the
+    checks test, so a tensor the screen passes has no problem to report."""
+    flags: dict[str, torch.Tensor] = {}
+    all_real = bool(mask.all())
+    slack_rows = slack is not None and bool(slack.any()) and not slack_forward_free
+    for name in impl.names:
+        a = impl[name]
+        if a is None or role(name) == "topk_indices" or name in impl.not_provided:
+            continue
+        a = a.detach()
+        bad = torch.zeros((), dtype=torch.bool, device=a.device)
+        if is_row_tensor(name) and tuple(a.shape[:mask.dim()]) != tuple(mask.shape):
+            flags[name] = ~bad  # not laid out by rows: the checks decide on the host
+            continue
+        real = row_mask(mask, a) if is_row_tensor(name) else None
+        if a.is_floating_point():
+            if role(name) in ("out", "lse"):
+                bad = bad | (~torch.isfinite(a) & real).any()
+                if slack_rows:
+                    want = 0.0 if role(name) == "out" else float("-inf")
+                    bad = bad | ((a != want) & row_mask(slack, a)).any()
+            else:
+                bad = bad | torch.isnan(a).any()
+                if role(name) == "index_scores":
+                    t = truth[name]
+                    if t is not None and t.shape != a.shape:
+                        bad = ~bad
+                    elif t is not None:
+                        bad = bad | ((torch.isfinite(a) != torch.isfinite(t.to(a.device))) & real).any()
+                    bad = bad | torch.isposinf(a).any()
+                else:
+                    bad = bad | ~torch.isfinite(a).all()
+        if name.startswith("grad/") and name[5:] in INPUT_ORDER and not padding_grads and not all_real:
+            bad = bad | ((a != 0) & row_mask(~mask, a)).any()
+        flags[name] = bad
+    suspects: set = set()
+    per_device: dict = defaultdict(list)
+    for name, flag in flags.items():
+        per_device[flag.device].append(name)
+    for names in per_device.values():
+        suspects.update(n for n, hit in zip(names, torch.stack([flags[n] for n in names]).tolist()) if hit)
+    return suspects
+
+
 def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, truth: Snapshot, *,
           padding_grads: bool = False, slack_forward_free: bool = False) -> dict[str, list]:
     """Structural problems of ``impl`` (``expect``: same-dtype reference, ``truth``: float64 reference).
@@ -95,7 +143,9 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
     for what in impl.mutated:
         problems["*"].append(f"the implementation modified {what} in place")
     zero_coeff = case.computes_loss and case.config.dsa_indexer_loss_coeff == 0
-    host = on_host(impl.tensors)  # every check below reads host copies, made in one go
+    suspects = _suspects(impl, truth, mask, slack, padding_grads, slack_forward_free)
+    # host copies, made in one go: the top-k selections and their scores, and the tensors the screen flagged
+    host = on_host({n: impl[n] for n in impl.names if role(n) == "topk_indices" or n in suspects})
     truth_scores = on_host({n: truth[n] for n in truth.names if role(n) == "index_scores"})
 
     for name in dict.fromkeys(expect.names + impl.names):
@@ -120,9 +170,9 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
             continue
         if a.dtype != e.dtype:
             problems[name].append(f"dtype {_fmt_dtype(a)} != reference {_fmt_dtype(e)}")
+        if role(name) == "topk_indices" or name not in suspects:
+            continue  # top-k: below, needs the scores; not flagged by the screen: none of the checks below fires
         a = host[name]
-        if role(name) == "topk_indices":
-            continue  # below, needs the scores
         if a.is_floating_point() and torch.isnan(a).any() and name != "out" and name != "lse":
             problems[name].append(f"{int(torch.isnan(a).sum())} NaN values"
                                   + first_where(case, name, torch.isnan(a), is_row_tensor(name)))

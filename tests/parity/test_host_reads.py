@@ -146,3 +146,61 @@ def test_on_host_copies_once_and_keeps_values():
     assert host["none"] is None and torch.equal(host["a"], x["a"]) and torch.equal(host["i"], x["i"])
     assert all(v is None or v.device.type == "cpu" for v in host.values())
     assert reads.by_op["to"] == 2 and reads.total == 2  # one queued copy per tensor, no per-tensor wait on CUDA
+
+
+def _planted(case, tensors, impl, truth):
+    """Copies of ``impl``'s tensors with one defect of each kind the value checks look for."""
+    from parity.judge.snapshot import Snapshot
+
+    t = {n: (None if v is None else v.clone()) for n, v in impl.tensors.items()}
+    pad = ~tensors.real_rows
+    t["grad/hidden"][0, 0] = float("nan")                  # NaN in a gradient
+    t["indexer_loss"] = t["indexer_loss"] + float("inf")    # a non-finite loss
+    t["grad/hidden"][pad.nonzero()[0, 0]] = 1.0            # a gradient on a padding row
+    t["out"][(tensors.real_rows).nonzero()[0, 0]] = float("inf")  # non-finite out on a real row
+    scores = t["index_scores"]
+    finite = torch.isfinite(scores) & tensors.real_rows.view(-1, 1)
+    scores[finite.nonzero()[0, 0], finite.nonzero()[0, 1]] = float("-inf")  # causal pattern differs
+    return Snapshot(t, impl.mutated, impl.record, impl.not_provided)
+
+
+def test_structure_screen_reports_exactly_what_the_host_checks_report(monkeypatch):
+    """The device-side screen decides only which tensors go to the host: on a clean run and on one with a defect
+    of every kind, :func:`check` reports the same problems with the screen as with every tensor checked on the
+    host. Negative control: a screen that flags nothing hides the planted defects."""
+    from parity.judge import structure
+
+    case = pick(layout="thd", loss="sparse", alignment_padding=True, scope="layer")
+    tensors, impl, truth, noise = snapshots(case, FUSED, REF, RunOptions())
+    planted = _planted(case, tensors, impl, truth)
+    screened = {name: structure.check(case, tensors, snap, noise, truth) for name, snap in
+                (("clean", impl), ("planted", planted))}
+    assert screened["clean"] == {}
+    assert {"grad/hidden", "indexer_loss", "out", "index_scores"} <= set(screened["planted"])
+    monkeypatch.setattr(structure, "_suspects", lambda impl, *args: set(impl.names))  # every tensor to the host
+    assert structure.check(case, tensors, planted, noise, truth) == screened["planted"]
+    assert structure.check(case, tensors, impl, noise, truth) == {}
+    monkeypatch.setattr(structure, "_suspects", lambda *args: set())
+    assert structure.check(case, tensors, planted, noise, truth) == {}
+
+
+def test_structure_check_copies_only_the_selection_to_the_host(monkeypatch):
+    """A clean case: the screen reads its flags back once, and only top-k selections and the reference's scores are
+    copied to the host (negative control: with a NaN planted, that gradient is copied too)."""
+    from parity.judge import structure
+
+    case = pick(layout="thd", loss="sparse")
+    tensors, impl, truth, noise = snapshots(case, FUSED, REF, RunOptions())
+    copied = []
+    real_on_host = structure.on_host
+    monkeypatch.setattr(structure, "on_host", lambda ts: copied.extend(ts) or real_on_host(ts))
+    with HostReads() as reads:
+        assert structure.check(case, tensors, impl, noise, truth) == {}
+    assert copied and {role(n) for n in copied} == {"topk_indices", "index_scores"}, copied
+    assert reads.by_op["tolist"] == 1
+    copied.clear()
+    broken = {n: (None if v is None else v.clone()) for n, v in impl.tensors.items()}
+    broken["grad/core_attention.attn_sink"][0] = float("nan")
+    problems = structure.check(case, tensors, type(impl)(broken, impl.mutated, impl.record, impl.not_provided),
+                               noise, truth)
+    assert "grad/core_attention.attn_sink" in copied and "NaN" in problems["grad/core_attention.attn_sink"][0]
