@@ -1,22 +1,19 @@
 """Deterministic materialisation of a case's tensors, and the parameter names/shapes of the layer (spec §1.2).
 
-Every tensor is a standard-normal draw made on the CPU, then scaled (parameters: :func:`initial_value`), cast to its
-dtype and moved to the device. A tensor of at most ``CHUNK`` (2**20) elements is drawn by one generator seeded by the
-sha256 of ``"{seed}/{name}"``; a larger one is drawn, flattened, in chunks of ``CHUNK`` elements, chunk ``i`` by the
-generator of ``"{seed}/{name}#{i}"``; the chunks are drawn on the run's threads. Draws are float64: ATen's float32
-normals take a vectorised path on AVX2/AVX512 hosts and a scalar one elsewhere (Arm hosts such as GH200 runners)
-and differ between them, float64 normals do not. So the values do not depend on the thread count or the host, the
-same case gives bit-identical tensors on every run and every machine of the same device type, and adding a tensor
-never changes the others. ``DSV4_PARITY_DRAW_THREADS`` sets the number of drawing threads (default: the run's
-intra-op threads); the values do not depend on it.
+Every tensor starts from the counter-based draw of :mod:`cases.draws` (seed key ``"{seed}/{name}"``), made on the
+device the case runs on, then scaled (parameters: :func:`initial_value`) and cast to its dtype, block by block. The
+draw of an element depends only on the case seed, the tensor's name and the element's index: the same case gives
+bit-identical tensors on every run, device (CPU or CUDA), thread count and machine, and adding a tensor never
+changes the others.
+
+The generator changed once (issue 33): until 2026-12-04 each tensor was a CPU ``torch.Generator`` (mt19937) float64
+normal draw, copied to the device. Results and baselines made before then hold other values for the same case id
+(``GENERATOR`` names the current one; runs record it).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -24,6 +21,7 @@ import torch
 
 from .case import Case
 from .config import ModelConfig
+from .draws import BLOCK, standard_normal
 from .layout import BshdLayout, PackedSeqParams, ThdLayout
 
 # Parameters production keeps in fp32 whatever the activation dtype (``mark_keep_in_fp32``).
@@ -80,41 +78,14 @@ def parameter_shapes(config: ModelConfig, scope: str) -> dict[str, tuple]:
 #: large enough that any leak of it dwarfs every rounding difference.
 DOUT_POISON = 1e6
 
-CHUNK = 1 << 20  # a tensor with more elements is drawn in independently seeded chunks of this many
-DRAW_THREADS_ENV = "DSV4_PARITY_DRAW_THREADS"
+GENERATOR = "splitmix64-irwin-hall-4"
+"""The draw every tensor starts from (:mod:`cases.draws`); recorded in each run's environment."""
 
 
-def draw_threads() -> int:
-    """Threads that draw a case's chunks: ``$DSV4_PARITY_DRAW_THREADS`` or the run's intra-op thread count. The
-    draws are CPU-bound (float64 normals: ~90 % of a gate case's materialize time), so on a GPU runner whose workers
-    are mostly waiting on the GPU more threads than a worker's intra-op share shorten the phase."""
-    value = os.environ.get(DRAW_THREADS_ENV, "").strip()
-    return max(1, int(value)) if value.isdigit() else torch.get_num_threads()
-
-
-def _generator(seed: int, name: str) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2 ** 63 - 1))
-
-
-def _chunks(numel: int) -> list[tuple[str, int, int]]:
-    """``(key suffix, start, end)`` of each separately seeded piece of a flattened tensor of ``numel`` elements."""
-    if numel <= CHUNK:
-        return [("", 0, numel)]
-    return [(f"#{i}", a, min(a + CHUNK, numel)) for i, a in enumerate(range(0, numel, CHUNK))]
-
-
-def _draw_into(flat: torch.Tensor, seed: int, key: str) -> torch.Tensor:
-    return flat.normal_(generator=_generator(seed, key))
-
-
-def _randn(seed: int, name: str, shape: tuple, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The standard-normal draw of tensor ``name`` (module docstring), in ``dtype``, one chunk after the other."""
-    out = torch.empty(shape, dtype=dtype)
-    flat = out.view(-1)
-    for suffix, a, b in _chunks(flat.numel()):
-        _draw_into(flat[a:b], seed, name + suffix)
-    return out
+def _randn(seed: int, name: str, shape: tuple, dtype: torch.dtype = torch.float64,
+           device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+    """The draw of tensor ``name`` (:mod:`cases.draws`), shaped ``shape``, in ``dtype`` on ``device``."""
+    return standard_normal(seed, name, math.prod(shape), device).view(shape).to(dtype)
 
 
 def _scaled(name: str, shape: tuple, x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +110,7 @@ def initial_value(seed: int, name: str, shape: tuple, draw: Optional[torch.Tenso
 @dataclass(frozen=True)
 class _Draw:
     """One tensor of a case to draw: seed key ``name``, final ``dtype``, and ``finish(x, a, b)``: the final values
-    of its flattened elements ``[a, b)`` from their standard-normal draw ``x`` (elementwise; None: ``x`` itself)."""
+    of its flattened elements ``[a, b)`` from their draw ``x`` (elementwise; None: ``x`` itself)."""
 
     name: str
     shape: tuple
@@ -147,30 +118,21 @@ class _Draw:
     finish: Optional[Callable[[torch.Tensor, int, int], torch.Tensor]] = None
 
 
-def _draw_all(seed: int, draws: list[_Draw]) -> dict[str, torch.Tensor]:
-    """``{d.name: final tensor}``: every chunk of every tensor is drawn, finished and cast straight into its slice of a
-    preallocated output, all on :func:`draw_threads` threads. Each chunk has its own
-    generator and ``finish`` is elementwise, so this gives the values of drawing every tensor whole, one after the
-    other (:func:`_randn`, :func:`initial_value`), whatever the thread count."""
-    outs = {d.name: torch.empty(d.shape, dtype=d.dtype) for d in draws}
-    tasks = [(d, suffix, a, b) for d in draws for suffix, a, b in _chunks(outs[d.name].numel())]
-
-    def run(d: _Draw, suffix: str, a: int, b: int) -> None:
-        out = outs[d.name].view(-1)[a:b]
-        if d.finish is None and d.dtype == torch.float64:
-            _draw_into(out, seed, d.name + suffix)
-            return
-        x = _draw_into(torch.empty(b - a, dtype=torch.float64), seed, d.name + suffix)
-        out.copy_(x if d.finish is None else d.finish(x, a, b))
-
-    threads = min(draw_threads(), len(tasks))
-    if threads <= 1 or sum(out.numel() for out in outs.values()) <= CHUNK:
-        for task in tasks:
-            run(*task)
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            for future in [pool.submit(run, *task) for task in tasks]:
-                future.result()
+def _draw_all(seed: int, draws: list[_Draw], device: Union[str, torch.device] = "cpu") -> dict[str, torch.Tensor]:
+    """``{d.name: final tensor on device}``: each tensor drawn, finished and cast block by block straight into its
+    slice of the output, so only one block's float64 draw exists at a time. ``finish`` is elementwise, so this gives
+    the values of drawing, finishing and casting the whole tensor at once."""
+    device = torch.device(device)
+    block = BLOCK.get(device.type, BLOCK["cuda"]) * 16
+    outs = {}
+    for d in draws:
+        out = torch.empty(d.shape, dtype=d.dtype, device=device)
+        flat = out.view(-1)
+        for a in range(0, flat.numel(), block):
+            b = min(flat.numel(), a + block)
+            x = standard_normal(seed, d.name, b - a, device, start=a)
+            flat[a:b] = x if d.finish is None else d.finish(x, a, b)
+        outs[d.name] = out
     return outs
 
 
@@ -249,6 +211,7 @@ def materialize(case: Case, device: Union[str, torch.device] = "cpu", *,
         real = torch.ones(_token_shape(case), dtype=torch.bool)
         psp = None
     all_real = bool(real.all())
+    real = real.to(device)
 
     def param(name: str, shape: tuple) -> _Draw:
         param_dtype = torch.float32 if (dtype == torch.bfloat16 and name in FP32_PARAMETERS) else dtype
@@ -270,11 +233,11 @@ def materialize(case: Case, device: Union[str, torch.device] = "cpu", *,
     dout_scale = padding_dout_scale(case, padding_scale) if dout_padding_scale is None else dout_padding_scale
     draws.append(rows_zeroed("grad_output", output_shape(case)) if dout_scale == 0.0 else
                  rows_scaled("grad_output", output_shape(case), dout_scale))
-    values = _draw_all(case.seed, draws)
-    params = {name: values[name].to(device).requires_grad_(True) for name in shapes}
-    inputs = {name: values[f"input/{name}"].to(device).requires_grad_(True) for name in input_shapes(case)}
-    return CaseTensors(params=params, inputs=inputs, grad_output=values["grad_output"].to(device),
-                       packed_seq_params=psp, real_rows=real.to(device), row_kinds=kinds)
+    values = _draw_all(case.seed, draws, device)
+    params = {name: values[name].requires_grad_(True) for name in shapes}
+    inputs = {name: values[f"input/{name}"].requires_grad_(True) for name in input_shapes(case)}
+    return CaseTensors(params=params, inputs=inputs, grad_output=values["grad_output"],
+                       packed_seq_params=psp, real_rows=real, row_kinds=kinds)
 
 
 def api_inputs(case: Case, tensors: CaseTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,5 +248,5 @@ def api_inputs(case: Case, tensors: CaseTensors) -> tuple[torch.Tensor, torch.Te
     if "q_latent" in tensors.inputs:
         return hidden, tensors.inputs["q_latent"].detach()
     shape = _token_shape(case) + (case.config.q_lora_rank,)
-    q_latent = _randn(case.seed, "api/q_latent", shape).to(case.torch_dtype).to(hidden.device)
+    q_latent = _randn(case.seed, "api/q_latent", shape, case.torch_dtype, hidden.device)
     return hidden, q_latent

@@ -1,6 +1,7 @@
 """The machine and library versions a run used (the ``env`` field of the results ``run`` row).
 
-Keys: ``python torch cuda cudnn cudnn_frontend flash_mla gpu driver git_rev host``; a value is ``None`` when not
+Keys: ``python torch cuda cudnn cudnn_frontend flash_mla gpu driver git_rev host device generator`` (``generator``: the
+draw the case tensors start from, :data:`cases.tensors.GENERATOR`); a value is ``None`` when not
 available. Package versions come from the installed distributions' metadata, so nothing heavy is imported.
 """
 
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from cases.tensors import GENERATOR
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,4 +68,5 @@ def environment(device: str = "cpu") -> dict:
         "git_rev": git_rev(),
         "host": platform.node(),
         "device": device,
+        "generator": GENERATOR,
     }

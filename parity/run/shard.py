@@ -16,8 +16,7 @@
   host-side work of N GPU workers must not oversubscribe the cores). ``--threads`` overrides both. On CPU the
   thread count changes the summation order of parallel reductions, so two CPU runs agree bit for bit only at the
   same thread count (``--workers 1 --threads 1`` against ``--workers 2``); on CUDA it does not matter.
-  Multi-worker CUDA runs draw each case's tensors on ``2 × cores // N`` threads (at most ``cores``;
-  :data:`DRAW_THREADS_PER_SHARE`) unless ``DSV4_PARITY_DRAW_THREADS`` is set: the draws do not depend on it.
+  A case's tensors are drawn on its device (:mod:`cases.draws`), so a GPU worker needs no host threads for them.
 * **Order**: :func:`by_cost` — a shared queue, most expensive case first, every idle worker taking the next one.
   That is Graham's LPT list scheduling driven by the *measured* finish times, so a wrong estimate costs at most
   one case's imbalance at the end of the sweep instead of a whole static shard.
@@ -47,10 +46,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from cases.case import Case
-from cases.tensors import DRAW_THREADS_ENV
 
 from parity.run.usage import parse_workers
 
@@ -88,11 +86,6 @@ def _cuda_tokens() -> list[str]:
 #: with 4 workers, 159 s with 6, 164 s with 8 (the same 197 pass / 23 unsupported each time).
 AUTO_MAX_PER_GPU = 6
 AUTO_CORES_PER_WORKER = 2
-#: drawing threads of a multi-worker CUDA worker, in units of its intra-op share (capped at the machine's cores).
-#: The draws are CPU-bound float64 normals while the workers mostly take turns on the GPU, so each worker's draws
-#: may borrow its peers' cores: the warm H200 gate (16 cores, 4 workers) took 236 s with 4 drawing threads per
-#: worker, 192 s with 8, 203 s with 16. The values do not depend on it (:func:`cases.tensors.draw_threads`).
-DRAW_THREADS_PER_SHARE = 2
 
 
 def auto_workers(device: str, gpus: int, cores: int) -> int:
@@ -139,17 +132,13 @@ class Slot:
 
 
 def plan_slots(workers: int, device: str, *, threads: Optional[int] = None,
-               tokens: Optional[Sequence[str]] = None, cpu_count: Optional[int] = None,
-               environ: Optional[Mapping[str, str]] = None) -> list[Slot]:
+               tokens: Optional[Sequence[str]] = None, cpu_count: Optional[int] = None) -> list[Slot]:
     """One :class:`Slot` per worker (see the module docstring for pinning and threads).
 
     A single worker is never pinned and keeps the default thread count unless ``threads`` is given: one worker is
-    the run as it was before sharding. Workers of a multi-worker CUDA run also get
-    ``DSV4_PARITY_DRAW_THREADS = min(cores, DRAW_THREADS_PER_SHARE × threads)`` unless ``environ`` (default: this
-    process's environment) already sets it.
+    the run as it was before sharding.
     """
     cores = cpu_count or os.cpu_count() or 1
-    environ = os.environ if environ is None else environ
     if device == "cuda":
         tokens = list(_cuda_tokens() if tokens is None else tokens) or ["0"]
         per_worker = threads if threads is not None else (None if workers == 1 else max(1, cores // workers))
@@ -166,8 +155,6 @@ def plan_slots(workers: int, device: str, *, threads: Optional[int] = None,
             token = tokens[i % len(tokens)]
             if workers > 1:
                 env["CUDA_VISIBLE_DEVICES"] = token
-                if per_worker is not None and not environ.get(DRAW_THREADS_ENV, "").strip():
-                    env[DRAW_THREADS_ENV] = str(min(cores, DRAW_THREADS_PER_SHARE * per_worker))
             label = f"cuda:{token}"
         else:
             label = "cpu"
@@ -232,5 +219,5 @@ def by_cost(cases: Sequence[Case], device: str = "cpu") -> list[Case]:
     return [case for _, case in indexed]
 
 
-__all__ = ["AUTO_CORES_PER_WORKER", "AUTO_MAX_PER_GPU", "DRAW_THREADS_PER_SHARE", "DTYPE_FACTOR", "Slot",
+__all__ = ["AUTO_CORES_PER_WORKER", "AUTO_MAX_PER_GPU", "DTYPE_FACTOR", "Slot",
            "auto_workers", "by_cost", "estimate_cost", "parse_workers", "per_row_macs", "plan_slots", "resolve_workers", "visible_cuda_devices"]
