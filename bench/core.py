@@ -219,7 +219,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         harness_suite=args.harness_suite or d["harness_suite"],
         harness_limit=d["harness_limit"] if args.harness_limit is None else args.harness_limit,
         harness_report=not args.no_harness_report,
-        gate=dict(suite=args.gate_suite, provider=args.gate_provider, workers=args.gate_workers,
+        gate=dict(suite=args.gate_suite, impl=args.gate_impl, provider=args.gate_provider, workers=args.gate_workers,
                   limit=args.gate_limit, runs=_csv(args.gate_runs) or ["cold", "warm"],
                   cache_dir=args.gate_cache_dir, dir=args.gate_dir, budget_s=args.gate_budget_s),
         peak_tflops=args.peak_tflops if args.peak_tflops is not None else (
@@ -875,7 +875,8 @@ def run_gate_section(settings: Settings, log: Callable[[str], None]) -> dict:
 
     g = dict(settings.gate or {})
     root = Path(g.get("dir") or DEFAULT_OUT_ROOT / "bench" / f"gate-{_dt.datetime.now():%Y%m%d-%H%M%S}")
-    return gate_section(root, suite=g.get("suite") or "gate", provider=g.get("provider") or "cudnn",
+    return gate_section(root, suite=g.get("suite") or "gate", impl=g.get("impl") or "fused",
+                        provider=g.get("provider") or "cudnn",
                         workers=g.get("workers") or "auto", limit=g.get("limit"), runs=g.get("runs") or ("cold", "warm"),
                         cache_dir=Path(g["cache_dir"]) if g.get("cache_dir") else None, budget_s=g.get("budget_s"),
                         log=log)

@@ -33,11 +33,11 @@ PHASES = ("materialize", "impl", "reference", "compare")
 
 
 def gate_command(suite: str, provider: str, workers: str, out: Path, limit: Optional[int],
-                 make_default: bool = True) -> list[str]:
+                 make_default: bool = True, impl: str = "fused") -> list[str]:
     """``make parity``'s command line (``make_default``: also point ``reports/out/latest`` at the run and render its
-    report, as ``make parity`` does)."""
+    report, as ``make parity`` does); ``impl`` other than ``fused``: ``--impl`` (``megatron``: the production gate)."""
     cmd = [sys.executable, "-m", "cli", "run", "--suite", suite, "--provider", provider, "--workers",
-           str(workers), "--out", str(out)]
+           str(workers), "--out", str(out)] + (["--impl", impl] if impl != "fused" else [])
     return cmd + (["--limit", str(limit)] if limit else []) + (["--make-default"] if make_default else [])
 
 
@@ -72,8 +72,18 @@ def collect_compile_stats(stats_dir: Path) -> dict[str, Any]:
     return {"processes": len(docs), "per_kernel": per_kernel, "totals": totals, "stores": stores, "off": off}
 
 
+def kernel_pace(wall_s: float, cases: int, impl_s: float) -> dict[str, Any]:
+    """How far the gate is from the GPU's own pace: ``per_case_s`` (wall / cases), ``impl_per_case_s`` (the ``impl``
+    phase summed over the workers / cases: the implementation under test, its kernels and their composition, the
+    only part a kernel engineer's change moves) and ``wall_over_impl``: the wall time over that sum, 1.0 when the gate
+    took no longer than running the implementation's cases back to back."""
+    return {"per_case_s": round(wall_s / cases, 3) if cases else None,
+            "impl_per_case_s": round(impl_s / cases, 3) if cases else None,
+            "wall_over_impl": round(wall_s / impl_s, 2) if impl_s > 0 else None}
+
+
 def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provider: str, workers: str,
-                  limit: Optional[int], timeout_s: Optional[float], make_default: bool = True,
+                  limit: Optional[int], timeout_s: Optional[float], make_default: bool = True, impl: str = "fused",
                   runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict[str, Any]:
     """One gate run as a subprocess over ``cache_dir``; its wall time, outcomes, phases and compile counters."""
     out, stats_dir = root / label, root / f"{label}-compile-stats"
@@ -82,7 +92,7 @@ def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provid
     env = {k: v for k, v in os.environ.items() if k not in CHILD_UNSET}
     env.update({compile_cache.ENV_DIR: str(cache_dir), compile_cache.ENV_STATS: str(stats_dir)})
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = gate_command(suite, provider, workers, out, limit, make_default)
+    cmd = gate_command(suite, provider, workers, out, limit, make_default, impl)
     start = time.perf_counter()
     try:
         proc = runner(cmd, env=env, timeout=timeout_s, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -94,8 +104,9 @@ def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provid
     row = {"run": label, "wall_s": round(wall, 2), "exit_code": code, "command": " ".join(cmd[1:]),
            "cache_dir": str(cache_dir), "out": str(out), "output_tail": tail.splitlines()[-6:]}
     row.update(summarize_results(out / "results.jsonl"))
+    row.update(kernel_pace(wall, row["cases"], row["phases_s"].get("impl", 0.0)))
     row["compile"] = collect_compile_stats(stats_dir)
-    target = TARGETS.get(f"pr_gate_{label}_s")
+    target = TARGETS.get(f"{'pr' if impl == 'fused' else 'production'}_gate_{label}_s")
     failed = row["outcomes"].get("fail", 0) + row["outcomes"].get("error", 0)
     row["target_s"] = target
     row["met"] = None if target is None else bool(wall <= target and code == 0 and failed == 0)
@@ -113,7 +124,7 @@ def compare_outcomes(cold_out: Path, warm_out: Path) -> dict[str, Any]:
 
 
 def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", workers: str = "auto",
-                 limit: Optional[int] = None, runs: Sequence[str] = ("cold", "warm"),
+                 limit: Optional[int] = None, runs: Sequence[str] = ("cold", "warm"), impl: str = "fused",
                  cache_dir: Optional[Path] = None, budget_s: Optional[float] = None, make_default: bool = True,
                  log: Callable[[str], None] = lambda _m: None,
                  runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict[str, Any]:
@@ -121,7 +132,7 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
     root.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache_dir) if cache_dir is not None else root / "kernel-cache"
     deadline = None if budget_s is None else time.perf_counter() + budget_s
-    section: dict[str, Any] = {"suite": suite, "provider": provider, "workers": workers, "limit": limit,
+    section: dict[str, Any] = {"suite": suite, "impl": impl, "provider": provider, "workers": workers, "limit": limit,
                                "cache_dir": str(cache_dir), "runs": []}
     for label in runs:
         left = None if deadline is None else deadline - time.perf_counter()
@@ -130,9 +141,9 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
             continue
         if label == "cold":
             compile_cache.clear(cache_dir)
-        log(f"gate {label}: {suite} suite, provider {provider}, workers {workers}, cache {cache_dir}")
+        log(f"gate {label}: {suite} suite, impl {impl}, provider {provider}, workers {workers}, cache {cache_dir}")
         row = run_gate_once(label, root, cache_dir, suite=suite, provider=provider, workers=workers, limit=limit,
-                            timeout_s=left, make_default=make_default, runner=runner)
+                            timeout_s=left, make_default=make_default, impl=impl, runner=runner)
         log(f"gate {label}: {row['wall_s']} s, {row['outcomes']}, compiled {row['compile']['totals'].get('compiled', 0)}"
             f" kernels in {row['compile']['totals'].get('compile_s', 0)} s, loaded "
             f"{row['compile']['totals'].get('loaded', 0)}")

@@ -136,6 +136,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     p.add_argument("--startup-repeats", type=int, default=5,
                    help="fresh processes per command in the startup section (default 5; the median is reported)")
     p.add_argument("--gate-suite", default="gate", help="suite of the gate section (default gate)")
+    p.add_argument("--gate-impl", default="fused",
+                   help="--impl of the gate runs (default fused; megatron: the production gate, target "
+                        "production_gate_warm_s)")
     p.add_argument("--gate-provider", default="cudnn", help="--provider of the gate runs (default cudnn)")
     p.add_argument("--gate-workers", default="auto", help="--workers of the gate runs (default auto)")
     p.add_argument("--gate-limit", type=int, help="--limit of the gate runs (default: the whole suite)")

@@ -58,8 +58,24 @@ def test_cold_then_warm_over_one_cache(tmp_path, monkeypatch):
     assert cold["compile"]["stores"] == ["/c/dsa-kernels/v1/e"] and cold["compile"]["off"] == []
     assert cold["compile"]["per_kernel"]["sparse_attn_bwd"]["compile_s"] == 32.0
     assert warm["compile"]["totals"]["compiled"] == 0 and warm["compile"]["totals"]["loaded"] == 4
-    assert cold["met"] is True and warm["met"] is True and cold["target_s"] == 300 and warm["target_s"] == 180
+    assert cold["met"] is True and warm["met"] is True and cold["target_s"] == 120 and warm["target_s"] == 60
     assert section["cold_vs_warm"]["agree"]
+    # the pace against the implementation's own time: 2 cases, impl 6 s summed
+    assert cold["impl_per_case_s"] == 3.0 and cold["wall_over_impl"] == round(cold["wall_s"] / 6.0, 2)
+
+
+def test_the_production_gate_runs_megatron_against_its_own_target(tmp_path):
+    seen, commands = [], []
+    runner = fake_gate({"warm": ["pass"]}, {"warm": 0}, seen)
+    section = bench_gate.gate_section(tmp_path / "g", runs=("warm",), impl="megatron",
+                                      runner=lambda cmd, **kw: commands.append(cmd) or runner(cmd, **kw))
+    (warm,) = section["runs"]
+    assert commands[0][commands[0].index("--impl") + 1] == "megatron" and section["impl"] == "megatron"
+    assert warm["target_s"] == 90
+    fused = []
+    bench_gate.gate_section(tmp_path / "f", runs=("warm",), runner=lambda cmd, **kw: fused.append(cmd) or
+                            fake_gate({"warm": ["pass"]}, {"warm": 0}, [])(cmd, **kw))
+    assert "--impl" not in fused[0]  # negative control: the fused gate is make parity's own command
 
 
 def test_a_failure_or_a_changed_verdict_is_reported(tmp_path):
