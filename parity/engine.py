@@ -166,7 +166,12 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
                         info.get("architecture") or known.architecture(options.torch_device()),
                         str(info.get("upstream_revision") or info.get("revision") or ""), runs=runs, raised=raised)
         except Exception as exc:  # noqa: BLE001 — a broken registry is reported, never hides the verdict
-            result.message += f" [known-deviation registry: {one_line(exc)}]"
+            if backward_origin.out_of_memory(exc):  # the machine's condition: an error a shared GPU re-runs alone
+                result.outcome, result.decided_by = "error", "error"
+                result.message = f"known-deviation registry: {one_line(exc)} (judging: {result.message})"
+                result.first_failure = {"tensor": None, "rule": "error", "message": result.message}
+            else:
+                result.message += f" [known-deviation registry: {one_line(exc)}]"
     return result
 
 

@@ -323,3 +323,34 @@ def test_kl_support_is_trivial_when_no_real_row_sees_two_compressed_keys():
     assert known.case_features(cases["17768d41d2ee"])["kl_support"] == "some"  # a 16-token segment
     r0 = next(c for c in cases.values() if c.config.compress_ratio == 0)
     assert known.case_features(r0)["kl_support"] == "trivial"
+
+
+def test_running_out_of_memory_while_judging_a_known_deviation_is_an_error_to_re_run(monkeypatch):
+    """On a GPU shared by several workers the registry's model runs can run out of memory: that is the machine's
+    condition, so the case is an ``error`` that the pool re-runs alone (H200 production gate, e4f44814051e: it had
+    stayed a ``fail`` against the contract). Negative control: a registry bug keeps the verdict and is noted."""
+    import torch
+
+    from parity import engine, impls
+    from parity.deviations import known as known_mod
+    from parity.run.worker import is_out_of_memory
+    from tests.parity.helpers import pick
+
+    case = pick(dtype="float32", layout="bshd", ratio="0")
+    fused, ref = impls.load("fused"), impls.load("reference")
+    monkeypatch.setattr(known_mod, "registry_for", lambda impl: ["an entry"])
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1008.00 MiB.")
+
+    monkeypatch.setattr(known_mod, "apply", oom)
+    result = engine.run_case(case, fused, ref, engine.RunOptions())
+    assert result.outcome == "error" and "out of memory" in result.message
+    assert is_out_of_memory(result.rows()[0])
+
+    def broken(*args, **kwargs):
+        raise ValueError("an entry without a model")
+
+    monkeypatch.setattr(known_mod, "apply", broken)
+    result = engine.run_case(case, fused, ref, engine.RunOptions())
+    assert result.outcome == "pass" and "known-deviation registry: ValueError" in result.message

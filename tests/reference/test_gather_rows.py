@@ -31,8 +31,10 @@ def heavy_duplicates(device: str, dtype: torch.dtype, B: int = 2, N: int = 40, s
     popular = torch.randint(0, 5, (s, k - k // 2), generator=g)
     ids = torch.cat((window, popular), dim=1).expand(B, s, k).clone()
     ids[1] = torch.randint(0, N, (s, k), generator=g)
-    kv = torch.randn(B, N, 19, generator=g, dtype=torch.float64).to(dtype)
-    dout = torch.randn(B, s, k, 19, generator=g, dtype=torch.float64).to(dtype)
+    # rows of 64 elements: on CUDA, torch's kernel for rows narrower than a warp sums a bf16 row's duplicates in
+    # float32 and rounds once (the reference's rows are head dims, 64 and up; the generic kernel rounds per addition)
+    kv = torch.randn(B, N, 64, generator=g, dtype=torch.float64).to(dtype)
+    dout = torch.randn(B, s, k, 64, generator=g, dtype=torch.float64).to(dtype)
     return kv.to(device), ids.to(device), dout.to(device)
 
 

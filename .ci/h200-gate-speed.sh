@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 33's H200 measurements as device calls (after .device/1/step1.sh and .device/2/step2.sh installed the GPU
+# packages). Each stage writes under $OUT and a line to $OUT/summary.txt, so what was measured goes into the repo as
+# data (reports/baselines/h200/bench/).
+#   cuda      the CUDA halves of the new tests: draws bit-identical on CPU and CUDA, the reference's ordered gather
+#             gradient bit-identical to autograd's index_put on CUDA, the reference on CUDA
+#   fused     bench --sections gate --gate-runs cold,warm: make parity's gate (fused, cudnn, --workers auto)
+#   production bench --sections gate --gate-impl megatron --gate-runs warm over the same kernel cache
+# Megatron (production): .mg/megatron-lm-dev-*.tar.gz (the pinned snapshot), carried as .mg.
+# Usage: bash .ci/h200-gate-speed.sh STAGE ...
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+out="${OUT:-reports/out}"
+mkdir -p "$out"
+snapshot=$(ls "$PWD"/.mg/megatron-lm-dev-*.tar.gz 2>/dev/null | head -1)
+[ -n "$snapshot" ] && export DSV4_MEGATRON_SNAPSHOT="$snapshot"
+note() { echo "$*" | tee -a "$out/summary.txt"; }
+cache=/tmp/dsv4-kernel-cache
+for stage in "$@"; do
+  t0=$(date +%s)
+  case "$stage" in
+    cuda)
+      python3 -m pytest -q -p no:cacheprovider tests/cases/test_draws_cuda.py tests/reference/test_gather_rows.py \
+        tests/reference/test_cuda.py > "$out/pytest-cuda.txt" 2>&1
+      note "cuda tests: exit $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$out/pytest-cuda.txt")" ;;
+    fused|production)
+      impl=fused runs=cold,warm
+      [ "$stage" = production ] && impl=megatron runs=warm
+      python3 -m cli bench --sections gate --gate-impl "$impl" --gate-runs "$runs" --gate-cache-dir "$cache" \
+        --gate-dir "/tmp/gate-$stage" --json "$out/bench-$stage.json" --no-plot > "$out/bench-$stage.log" 2>&1
+      note "$stage gate bench: exit $? in $(( $(date +%s) - t0 )) s"
+      for run in cold warm; do
+        [ -f "/tmp/gate-$stage/$run/results.jsonl" ] && gzip -c "/tmp/gate-$stage/$run/results.jsonl" > "$out/$stage-$run.jsonl.gz"
+      done
+      python3 - "$out/bench-$stage.json" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+g = json.load(open(sys.argv[1])).get("gate", {})
+for r in g.get("runs", []):
+    print(f"  {r.get('run')}: {r.get('wall_s')} s, {r.get('outcomes')}, phases {r.get('phases_s')}, "
+          f"wall/impl {r.get('wall_over_impl')}, target {r.get('target_s')} met {r.get('met')}")
+PY
+      ;;
+    *) note "unknown stage $stage" ;;
+  esac
+done
