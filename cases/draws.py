@@ -20,14 +20,15 @@ arithmetic shifts masked to the shifted-in width.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Union
 
 import torch
 
-GOLDEN = 0x9E3779B97F4A7C15
-MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+from .rng import GOLDEN, MIX, stream_state
+
+GENERATOR = "splitmix64-irwin-hall-4"
+"""This draw's name, recorded in each run's environment (``env.generator``)."""
 BLOCK = {"cpu": 1 << 17, "cuda": 1 << 22}
 """Elements drawn at once, per device type: on the CPU a block's int64 temporaries stay in cache (every step is one
 pass over them, in place); on a GPU they bound the temporaries' memory (~20 B an element)."""
@@ -39,11 +40,6 @@ def _signed(value: int) -> int:
     """``value`` mod 2**64 as a signed 64-bit integer (how torch's int64 holds it)."""
     value &= (1 << 64) - 1
     return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def stream_state(seed: int, name: str) -> int:
-    """The SplitMix64 state of tensor ``name`` of a case with ``seed`` (:class:`cases.rng.Rng` ``(seed, name)``)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
 
 
 def _xor_shifted(z: torch.Tensor, bits: int, scratch: torch.Tensor) -> None:

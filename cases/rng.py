@@ -11,20 +11,30 @@ from typing import Sequence, TypeVar
 
 T = TypeVar("T")
 _MASK = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+"""SplitMix64's state increment."""
+MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+"""The multipliers of SplitMix64's output function."""
+
+
+def stream_state(seed: int, *labels: object) -> int:
+    """The initial state of stream ``(seed, *labels)``: the first 8 bytes, little endian, of the sha256 of
+    ``"{seed}/{label}/..."``."""
+    digest = hashlib.sha256("/".join([str(seed)] + [str(x) for x in labels]).encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 class Rng:
     """SplitMix64 stream. ``Rng(seed, "label")`` derives an independent stream per label."""
 
     def __init__(self, seed: int, *labels: object):
-        digest = hashlib.sha256("/".join([str(seed)] + [str(x) for x in labels]).encode()).digest()
-        self._state = int.from_bytes(digest[:8], "little")
+        self._state = stream_state(seed, *labels)
 
     def next64(self) -> int:
-        self._state = (self._state + 0x9E3779B97F4A7C15) & _MASK
+        self._state = (self._state + GOLDEN) & _MASK
         z = self._state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        z = ((z ^ (z >> 30)) * MIX[0]) & _MASK
+        z = ((z ^ (z >> 27)) * MIX[1]) & _MASK
         return z ^ (z >> 31)
 
     def below(self, n: int) -> int:

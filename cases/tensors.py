@@ -8,7 +8,7 @@ changes the others.
 
 The generator changed once (issue 33): until 2026-12-04 each tensor was a CPU ``torch.Generator`` (mt19937) float64
 normal draw, copied to the device. Results and baselines made before then hold other values for the same case id
-(``GENERATOR`` names the current one; runs record it).
+(:data:`cases.draws.GENERATOR` names the current one; runs record it).
 """
 
 from __future__ import annotations
@@ -77,10 +77,6 @@ def parameter_shapes(config: ModelConfig, scope: str) -> dict[str, tuple]:
 #: Scale of the output gradient on padding rows of a ``padding_dout="poison"`` case (and of the poisoned-dO oracle):
 #: large enough that any leak of it dwarfs every rounding difference.
 DOUT_POISON = 1e6
-
-GENERATOR = "splitmix64-irwin-hall-4"
-"""The draw every tensor starts from (:mod:`cases.draws`); recorded in each run's environment."""
-
 
 def _randn(seed: int, name: str, shape: tuple, dtype: torch.dtype = torch.float64,
            device: Union[str, torch.device] = "cpu") -> torch.Tensor:

@@ -169,17 +169,26 @@ def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> 
     other metadata, or some element differs (NaN included, as ``torch.equal``). The element checks are read back in
     one transfer per device instead of one device sync per tensor."""
     flags: dict[str, object] = {}
-    per_device: dict[torch.device, list[str]] = {}
     for name, old in before.items():
         new = after[name].detach()
         if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
             flags[name] = True
         else:
             flags[name] = (new != old).any()
-            per_device.setdefault(new.device, []).append(name)
-    for names in per_device.values():
-        flags.update(zip(names, torch.stack([flags[n] for n in names]).tolist()))
+    flags.update(read_flags({n: f for n, f in flags.items() if isinstance(f, torch.Tensor)}))
     return [name for name in before if flags[name]]
+
+
+def read_flags(flags: dict[str, torch.Tensor]) -> dict[str, bool]:
+    """``{name: bool}`` of 0-dim bool tensors, read back in one transfer per device (a ``bool()`` each would wait
+    for the device once per flag)."""
+    per_device: dict[torch.device, list[str]] = {}
+    for name, flag in flags.items():
+        per_device.setdefault(flag.device, []).append(name)
+    out: dict[str, bool] = {}
+    for names in per_device.values():
+        out.update(zip(names, torch.stack([flags[n] for n in names]).tolist()))
+    return out
 
 
 def on_host(tensors: dict[str, Optional[torch.Tensor]]) -> dict[str, Optional[torch.Tensor]]:

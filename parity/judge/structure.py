@@ -26,7 +26,8 @@ from cases.case import Case
 from cases.tensors import CaseTensors
 
 from parity.judge.location import first_where, row_mask
-from parity.judge.snapshot import INPUT_ORDER, Snapshot, is_row_tensor, on_host, other_rows, real_rows, role, scores_of
+from parity.judge.snapshot import (INPUT_ORDER, Snapshot, is_row_tensor, on_host, other_rows, read_flags, real_rows,
+                                   role, scores_of)
 
 
 INDEXER_GRADS = "grad/core_attention.indexer."
@@ -123,13 +124,7 @@ def _suspects(impl: Snapshot, truth: Snapshot, mask: torch.Tensor, slack, paddin
         if name.startswith("grad/") and name[5:] in INPUT_ORDER and not padding_grads and not all_real:
             bad = bad | ((a != 0) & row_mask(~mask, a)).any()
         flags[name] = bad
-    suspects: set = set()
-    per_device: dict = defaultdict(list)
-    for name, flag in flags.items():
-        per_device[flag.device].append(name)
-    for names in per_device.values():
-        suspects.update(n for n, hit in zip(names, torch.stack([flags[n] for n in names]).tolist()) if hit)
-    return suspects
+    return {name for name, hit in read_flags(flags).items() if hit}
 
 
 def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, truth: Snapshot, *,

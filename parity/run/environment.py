@@ -1,7 +1,7 @@
 """The machine and library versions a run used (the ``env`` field of the results ``run`` row).
 
 Keys: ``python torch cuda cudnn cudnn_frontend flash_mla gpu driver git_rev host device generator`` (``generator``: the
-draw the case tensors start from, :data:`cases.tensors.GENERATOR`); a value is ``None`` when not
+draw the case tensors start from, :data:`cases.draws.GENERATOR`); a value is ``None`` when not
 available. Package versions come from the installed distributions' metadata, so nothing heavy is imported.
 """
 
@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from cases.tensors import GENERATOR
+from cases.draws import GENERATOR
 
 REPO = Path(__file__).resolve().parents[2]
 
