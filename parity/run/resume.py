@@ -3,7 +3,8 @@
 The ``run`` row records what a run is: its case selection (``selection``: the suite label, and for an ad-hoc
 selection the case objects themselves; ``planned``: the ids of every selected case, in order), ``options`` (impl,
 against, provider, device, require, policy) and, for a metamorphic run, ``against: "oracle:NAME"``. A resume takes
-all of these from the row, so ``dsv4-parity run --out DIR --resume`` works as printed. An option given on the resume
+all of these from the row (and, for ``--impl megatron``, the Megatron-LM tree it tested: ``impl_info``), so
+``dsv4-parity run --out DIR --resume`` works as printed. An option given on the resume
 command line that differs from the recorded one is a usage error (a resume that quietly ran other cases, or another
 implementation, would label one run's results with another's name); options that do not change results
 (``--workers``, ``--isolate``, ``--timeout``, ``--budget-s``, ``--junit``, ``--quiet``) may differ.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -79,6 +81,33 @@ def apply_recorded_options(args: argparse.Namespace, given: Iterable[str], run_r
             raise _conflict(f"--{dest}", getattr(args, dest, None), options[key], out_dir)
         setattr(args, dest, options[key])
     _apply_recorded_threads(args, given, run_row)
+    _apply_recorded_tree(args, given, run_row, out_dir)
+
+
+#: the ``impl_info`` origins of a tree the user named (``--megatron PATH``, ``DSV4_MEGATRON``); the pinned snapshot
+#: is found again by default
+NAMED_TREE_ORIGINS = ("--megatron", "DSV4_MEGATRON")
+
+
+def _apply_recorded_tree(args: argparse.Namespace, given: set, run_row: dict, out_dir: Path) -> None:
+    """The Megatron-LM tree under test is part of the run: a resume runs the recorded one (``impl_info``'s
+    ``megatron_root``, when the user had named it), never whatever ``DSV4_MEGATRON`` says now. A different explicit
+    ``--megatron`` conflicts; a recorded tree that is gone is a usage error naming its revision."""
+    info = run_row.get("impl_info") if isinstance(run_row.get("impl_info"), dict) else {}
+    root, origin = info.get("megatron_root"), info.get("megatron_origin")
+    if not isinstance(root, str) or origin not in NAMED_TREE_ORIGINS:
+        return
+    if "megatron" in given and getattr(args, "megatron", None):
+        if Path(args.megatron).expanduser().resolve() != Path(root).resolve():
+            raise _conflict("--megatron", args.megatron, root, out_dir)
+        return
+    if not Path(root).is_dir():
+        raise CaseError("--megatron", f"the run being resumed ({out_dir}) tested Megatron-LM at {root} (revision "
+                                      f"{info.get('revision')}), which no longer exists: pass --megatron PATH, a "
+                                      "tree of that revision there, or start a new run")
+    args.megatron = root
+    os.environ["DSV4_MEGATRON"] = root  # the workers' tree (cli.main restores the variable when the command ends)
+    os.environ["DSV4_MEGATRON_ORIGIN"] = str(origin)
 
 
 def _apply_recorded_threads(args: argparse.Namespace, given: set, run_row: dict) -> None:
