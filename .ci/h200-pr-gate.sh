@@ -30,6 +30,9 @@ saved=/tmp/pr-baselines  # baselines recorded on this machine, restored if the n
 restore() { mkdir -p "reports/baselines/$arch"; [ -d "$saved" ] && for b in "$saved"/*; do
   [ -d "reports/baselines/$arch/$(basename "$b")" ] || cp -r "$b" "reports/baselines/$arch/"; done; }
 have() { [ -f "reports/baselines/$arch/megatron-$1-gate/metrics.csv" ]; }
+# an H100 lent for the H200 runs the same sm90 kernels: its fused path is gated against the H200's baseline
+cudnn_base() { if have cudnn; then echo auto; elif [ -f reports/baselines/h200/megatron-cudnn-gate/metrics.csv ]; then
+  echo h200/megatron-cudnn-gate; else echo none; fi; }
 tree() {  # stage, revision -> the Megatron tree's directory (extracted once)
   local a d
   # the pinned snapshot keeps its snapshot-id layout <id>/<id> (how the adapter names its revision)
@@ -54,10 +57,11 @@ for stage in "${@:-head 608 12d}"; do
   case "$stage" in
     head) rev=head  # a path whose baseline this arch lacks runs ungated and, complete, is recorded
       if [ "$paths" = auto ]; then
-        baseline="unfused=$(have unfused && echo auto || echo none),cudnn=$(have cudnn && echo auto || echo none)"
+        baseline="unfused=$(have unfused && echo auto || echo none),cudnn=$(cudnn_base)"
       else baseline=$(have "$paths" && echo auto || echo none); fi ;;
-    608) rev=608545cfc6; baseline=auto ;;
-    12d) rev=12d3cc03e3; baseline=auto ;;
+    608|12d) [ "$stage" = 608 ] && rev=608545cfc6 || rev=12d3cc03e3
+      case "$paths" in auto) baseline="unfused=auto,cudnn=$(cudnn_base)" ;; cudnn) baseline=$(cudnn_base) ;;
+        *) baseline=auto ;; esac ;;
     *) echo "usage: bash .ci/h200-pr-gate.sh [head|608|12d ...]" >&2; exit 2 ;;
   esac
   megatron=$(tree "$stage" "$rev")

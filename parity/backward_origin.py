@@ -28,6 +28,7 @@ from cases.case import Case
 from cases.tensors import CaseTensors
 
 from parity.judge.snapshot import INPUT_ORDER, _call, _leaf
+from parity.run.worker import says_out_of_memory
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 #: the harness's own backward call: where a C++ backward error's traceback ends
@@ -47,7 +48,7 @@ def short(filename: str, function: str, line: int | str) -> str:
 def out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` says the device ran out of memory: a condition of the machine and of what shares it, never the
     code under test's behaviour on the case."""
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or says_out_of_memory(str(exc))
 
 
 def raised_in_backward_without_frame(exc: BaseException) -> bool:

@@ -59,21 +59,29 @@ class Finished:
     retried: Optional[str] = None
 
 
-#: What torch and CUDA say when the GPU runs out of memory (lower case): the type name of ``torch.OutOfMemoryError``
-#: (``torch.cuda.OutOfMemoryError`` is the same class), whose message starts "CUDA out of memory. Tried to allocate",
-#: and the CUDA runtime's "out of memory" (``cudaErrorMemoryAllocation``: "CUDA error: out of memory").
-OUT_OF_MEMORY_MARKERS = ("outofmemoryerror", "out of memory")
+#: What torch, CUDA and the CUDA libraries say when the GPU runs out of memory (lower case): the type name of
+#: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` is the same class), whose message starts "CUDA out of
+#: memory. Tried to allocate"; the CUDA runtime's "out of memory" (``cudaErrorMemoryAllocation``: "CUDA error: out of
+#: memory"); cuBLAS's and cuDNN's allocation failures (``CUBLAS_STATUS_ALLOC_FAILED``: torch's ``cublasCreate(handle)``
+#: on a GPU whose memory other workers hold, seen on the H100 gate of 2026-12-06; ``CUDNN_STATUS_ALLOC_FAILED``).
+OUT_OF_MEMORY_MARKERS = ("outofmemoryerror", "out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
+
+
+def says_out_of_memory(text: str) -> bool:
+    """Whether ``text`` (an exception's message, a case row's) says the device ran out of memory
+    (:data:`OUT_OF_MEMORY_MARKERS`, any case)."""
+    text = text.lower()
+    return any(marker in text for marker in OUT_OF_MEMORY_MARKERS)
 
 
 def is_out_of_memory(row: Any) -> bool:
     """Whether a case row is an ``error`` because the GPU ran out of memory (its ``message`` or
-    ``first_failure.message`` holds one of :data:`OUT_OF_MEMORY_MARKERS`, any case)."""
+    ``first_failure.message`` :func:`says_out_of_memory`)."""
     if not isinstance(row, dict) or row.get("outcome") != "error":
         return False
     first = row.get("first_failure")
     texts = [row.get("message"), first.get("message") if isinstance(first, dict) else None]
-    text = " ".join(t for t in texts if isinstance(t, str)).lower()
-    return any(marker in text for marker in OUT_OF_MEMORY_MARKERS)
+    return says_out_of_memory(" ".join(t for t in texts if isinstance(t, str)))
 
 
 @dataclass

@@ -97,3 +97,43 @@ def test_a_case_whose_verdict_never_changes_reports_no_change_in_range(clone, tm
     done, result = _bisect(clone, "056d9c0f24", "1c44a57092", "c63c8c6d34a6", tmp_path)
     assert result["status"] == "no-change" and "no change in range" in done.stdout
     assert [s["generation"] for s in result["steps"]] == ["dsa-kernels", "csa-utils"]
+
+
+def _tree_at(clone: Path, upstream: str, where: Path) -> Path:
+    """A worktree of the bundle commit whose ``Upstream-Commit:`` trailer starts with ``upstream``."""
+    log = subprocess.run(["git", "-C", str(clone), "log", "origin/dev",
+                          "--format=%H %(trailers:key=Upstream-Commit,valueonly,separator=)"],
+                         capture_output=True, text=True, check=True).stdout
+    commit = next(line.split()[0] for line in log.splitlines() if len(line.split()) == 2
+                  and line.split()[1].startswith(upstream))
+    subprocess.run(["git", "-C", str(clone), "worktree", "add", "-q", "--detach", str(where), commit],
+                   check=True, capture_output=True)
+    return where
+
+
+def test_an_architecture_specific_entry_holds_at_the_history_revisions_it_is_verified_at(clone, tmp_path):
+    """The registry's revision claims are checked where the history reaches them: the sm90 Path C entry is verified
+    at 608545cfc6 (on the H100's real kernels, 2026-12-06), so there, on the emulated provider declaring (9, 0), its
+    gate case is ``known`` by that entry. Negative control: at the parent 12d3cc03e3, where the entry is not
+    registered, the same case fails the same way and the message names the entry as matching but not registered.
+    One bf16 gate case of 138 rows per revision (~30 s each)."""
+    from parity.mutation import megatron_mutants as mutants
+
+    registry = json.loads((ROOT / "adapters" / "megatron" / "known_deviations.json").read_text())["entries"]
+    entry = next(e for e in registry if e["id"] == "fused-thd-core-padding-grad-unmasked-path-c-sm90")
+    assert any(v.startswith("608545cfc6") for v in entry["revisions"]["verified"])
+    assert not any(v.startswith("12d3cc03e3") for v in entry["revisions"]["verified"])
+    plan = {"suite": "gate", "device": "cpu", "stand_in_capability": [9, 0]}
+    case = entry["cases"][0]
+    trees = []
+    try:
+        trees.append(_tree_at(clone, "608545cfc6", tmp_path / "fix"))
+        (row,) = mutants.run_child(trees[-1], [("emulated", case, 1)], plan)
+        assert row["outcome"] == "known" and f"known deviation {entry['id']}" in row["message"], row
+        trees.append(_tree_at(clone, "12d3cc03e3", tmp_path / "parent"))
+        (row,) = mutants.run_child(trees[-1], [("emulated", case, 1)], plan)
+        assert row["outcome"] == "fail", row
+        assert f"{entry['id']} matches this case but is not registered at revision 12d3cc03e3" in row["message"], row
+    finally:
+        for tree in trees:
+            subprocess.run(["git", "-C", str(clone), "worktree", "remove", "--force", str(tree)], capture_output=True)

@@ -37,6 +37,14 @@ class RunsOutOfMemoryInOwnCode(RaisesInOwnCode):
 oom = RunsOutOfMemoryInOwnCode("fused")
 
 
+class CublasCannotAllocateInOwnCode(RunsOutOfMemoryInOwnCode):
+    def after(self, res, hidden, psp):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` (planted)")
+
+
+cublas_alloc = CublasCannotAllocateInOwnCode("fused")
+
+
 def test_an_exception_in_the_code_under_test_is_a_failure_and_elsewhere_an_error():
     case = pick(dtype="float32", layout="bshd", ratio="0")
     result = run_case(case, impls.load("tests.parity.test_raised:own"), REF, RunOptions())
@@ -59,6 +67,10 @@ def test_out_of_memory_in_the_code_under_test_stays_an_error_that_a_shared_gpu_r
     assert result.outcome == "error" and "out of memory" in result.message
     row = next(r for r in result.rows() if r["type"] == "case")
     assert is_out_of_memory(row)
+    # cuBLAS failing to allocate its handle's workspace is the same condition (a RuntimeError, not torch's type)
+    result = run_case(case, impls.load("tests.parity.test_raised:cublas_alloc"), REF, RunOptions())
+    assert result.outcome == "error" and "CUBLAS_STATUS_ALLOC_FAILED" in result.message
+    assert is_out_of_memory(next(r for r in result.rows() if r["type"] == "case"))
 
 
 def test_a_broken_hook_leaves_the_exception_an_error():

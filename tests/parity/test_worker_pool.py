@@ -145,9 +145,13 @@ def test_out_of_memory_is_recognised_in_the_rows_the_engine_writes(monkeypatch):
     assert is_out_of_memory(row)
     assert is_out_of_memory(_engine_row(monkeypatch, torch.cuda.OutOfMemoryError("Tried to allocate 2.00 GiB")))
     assert is_out_of_memory(_engine_row(monkeypatch, RuntimeError(CUDA_RUNTIME_OOM)))
+    # cuBLAS's handle creation on a GPU whose memory other workers hold (the H100 gate of 2026-12-06)
+    assert is_out_of_memory(_engine_row(monkeypatch, RuntimeError(
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")))
     assert is_out_of_memory({"outcome": "error", "message": "", "first_failure": {"message": "CUDA out of memory."}})
     # negative controls: other CUDA / Triton faults, and an out-of-memory text on a row that is not an error
     for other in (RuntimeError("CUDA error: an illegal memory access was encountered"),
+                  RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, ...)`"),
                   RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448. Reducing "
                                "block sizes or `num_stages` may help."),
                   MemoryError()):
