@@ -28,7 +28,7 @@ from cases.case import Case
 from cases.tensors import CaseTensors
 
 from parity.judge.snapshot import INPUT_ORDER, _call, _leaf
-from parity.run.worker import says_out_of_memory
+from parity.run.out_of_memory import says_out_of_memory
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 #: the harness's own backward call: where a C++ backward error's traceback ends

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
+from parity.run.out_of_memory import says_out_of_memory
+
 MARK = "@@dsv4-parity@@ "
 REPO = Path(__file__).resolve().parents[2]
 THREADS_ENV = "DSV4_PARITY_THREADS"
@@ -57,21 +59,6 @@ class Finished:
     why: str
     slot: Any
     retried: Optional[str] = None
-
-
-#: What torch, CUDA and the CUDA libraries say when the GPU runs out of memory (lower case): the type name of
-#: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` is the same class), whose message starts "CUDA out of
-#: memory. Tried to allocate"; the CUDA runtime's "out of memory" (``cudaErrorMemoryAllocation``: "CUDA error: out of
-#: memory"); cuBLAS's and cuDNN's allocation failures (``CUBLAS_STATUS_ALLOC_FAILED``: torch's ``cublasCreate(handle)``
-#: on a GPU whose memory other workers hold, seen on the H100 gate of 2026-12-06; ``CUDNN_STATUS_ALLOC_FAILED``).
-OUT_OF_MEMORY_MARKERS = ("outofmemoryerror", "out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
-
-
-def says_out_of_memory(text: str) -> bool:
-    """Whether ``text`` (an exception's message, a case row's) says the device ran out of memory
-    (:data:`OUT_OF_MEMORY_MARKERS`, any case)."""
-    text = text.lower()
-    return any(marker in text for marker in OUT_OF_MEMORY_MARKERS)
 
 
 def is_out_of_memory(row: Any) -> bool:

@@ -137,3 +137,38 @@ def test_an_architecture_specific_entry_holds_at_the_history_revisions_it_is_ver
     finally:
         for tree in trees:
             subprocess.run(["git", "-C", str(clone), "worktree", "remove", "--force", str(tree)], capture_output=True)
+
+
+def _gate(tree: Path, path: str, cases: tuple, out: Path) -> subprocess.CompletedProcess:
+    """``dsv4-parity gate --impl megatron`` on one production path of ``tree``, on ``cases`` of the smoke suite, not
+    gated against a baseline (the selection is a slice of the suite: coverage has its own tests)."""
+    ids = [token for case in cases for token in ("--case-id", case)]
+    return _cli("gate", "--impl", "megatron", "--megatron", str(tree), "--paths", path, "--suite", "smoke", *ids,
+                "--baseline", "none", "--out", str(out))
+
+
+@pytest.mark.parametrize("bug", [
+    # (the fix, its parent, the production path it lives on, smoke cases, a tensor the gate must name at the parent)
+    ("608545cfc6", "12d3cc03e3", "emulated", ("339801b464f2", "f2ceea9c0311"), "indexer"),
+    ("059c16cd11", "43e45e1307", "unfused", ("9a8dbea368d1",), "indexer_loss"),
+], ids=["fused-indexer-loss-608545cfc6", "unfused-indexer-loss-059c16cd11"])
+def test_the_gate_catches_the_historical_bugs_at_their_parents_and_passes_at_their_fixes(clone, tmp_path, bug):
+    """What a gate is worth: each of production's two reachable historical DSv4 bugs, at the parent of its fix, makes
+    ``dsv4-parity gate`` (``make parity``'s command) exit 1 naming the failing tensors; at the fix the same command
+    on the same cases exits 0 (the control: the cases and the path are ones the gate passes). ~20 s a revision."""
+    fix, parent, path, cases, tensor = bug
+    trees = []
+    try:
+        trees.append(_tree_at(clone, parent, tmp_path / "parent"))
+        done = _gate(trees[-1], path, cases, tmp_path / "out-parent")
+        assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "gate: FAIL" in done.stdout and "failed" in done.stdout, done.stdout[-3000:]
+        named = done.stdout.split(f"{path} FAIL:", 1)[1].split("gate: FAIL", 1)[0]  # the path's failing tensors
+        assert tensor in named, done.stdout[-3000:]
+        trees.append(_tree_at(clone, fix, tmp_path / "fix"))
+        done = _gate(trees[-1], path, cases, tmp_path / "out-fix")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "gate: PASS" in done.stdout, done.stdout[-3000:]
+    finally:
+        for tree in trees:
+            subprocess.run(["git", "-C", str(clone), "worktree", "remove", "--force", str(tree)], capture_output=True)
