@@ -1,8 +1,11 @@
 """What the machine says when a GPU runs out of memory: a condition of the device and of what shares it, never the
 behaviour of the code under test on a case (the engine keeps such a case an ``error``; the worker pool re-runs it alone
-on its device). No imports: the engine, the worker pool and the backward-origin check all read this one list."""
+on its device). The engine, the worker pool and the backward-origin check all read this one list."""
 
 from __future__ import annotations
+
+import re
+from typing import Optional
 
 
 #: What torch, CUDA and the CUDA libraries say when the GPU runs out of memory (lower case): the type name of
@@ -18,3 +21,37 @@ def says_out_of_memory(text: str) -> bool:
     (:data:`OUT_OF_MEMORY_MARKERS`, any case)."""
     text = text.lower()
     return any(marker in text for marker in OUT_OF_MEMORY_MARKERS)
+
+
+_UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_SIZE = r"([0-9][0-9.]*) (bytes|KiB|MiB|GiB|TiB)"
+
+
+def _bytes(match) -> int:
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def least_need(text: str) -> Optional[tuple[int, int]]:
+    """``(bytes, capacity)`` from torch's CUDA out-of-memory message: a lower bound of the GPU memory the failing
+    process needed (what PyTorch had allocated for it when it failed, ``Of the allocated memory A is allocated by
+    PyTorch``, else everything it held, ``this process has P memory in use``, plus what it asked for, ``Tried to
+    allocate X``) and the GPU's ``total capacity``. None where the text is not that message. Another process's memory
+    (``Process N has …``) and the process's cached-but-free blocks are not counted: a re-run alone does not hold them."""
+    asked = re.search(r"Tried to allocate " + _SIZE, text)
+    total = re.search(r"has a total capacity of " + _SIZE, text)
+    held = re.search(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch", text) or \
+        re.search(r"this process has " + _SIZE + r" memory in use", text)
+    if not (asked and total and held):
+        return None
+    return _bytes(held) + _bytes(asked), _bytes(total)
+
+
+def beyond_device(text: str) -> Optional[str]:
+    """A sentence when torch's out-of-memory ``text`` shows that the case needs more than the whole GPU (a re-run
+    alone on it would run out again), else None."""
+    need = least_need(text)
+    if need is None or need[0] <= need[1]:
+        return None
+    gib = 1 << 30
+    return (f"needs at least {need[0] / gib:.2f} GiB of GPU memory (held + asked when it ran out), more than the GPU's "
+            f"{need[1] / gib:.2f} GiB: a larger GPU runs it")

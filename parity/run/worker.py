@@ -17,7 +17,10 @@ worker busy on a GPU.
 
 Several slots may share one device (``--workers auto`` puts up to 6 on a GPU). A job whose answer is an ``error``
 case row that says the GPU ran out of memory (:func:`is_out_of_memory`), from a worker whose device label is shared
-with other workers of the pool, is not yielded: it is re-run once *alone on that device*. As soon as such a retry is
+with other workers of the pool, is not yielded: it is re-run once *alone on that device* — unless torch's message
+shows that the case needs more memory than the whole GPU (what it held plus what it asked for, over the total
+capacity: :func:`parity.run.out_of_memory.beyond_device`); such a row is yielded at once, its message saying so
+(a re-run alone would run out again, and it would hold the device's other workers back). As soon as such a retry is
 pending, no new job goes to that device; when none of its workers is busy any more, the other idle children of the
 device are stopped (an idle child keeps its CUDA context and the caching allocator's blocks), the job runs again and
 the device's other workers wait until it ends. Its answer is yielded whatever its outcome, the case row carrying the
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from parity.run.out_of_memory import says_out_of_memory
+from parity.run.out_of_memory import beyond_device, says_out_of_memory
 
 MARK = "@@dsv4-parity@@ "
 REPO = Path(__file__).resolve().parents[2]
@@ -59,6 +62,20 @@ class Finished:
     why: str
     slot: Any
     retried: Optional[str] = None
+
+
+def _note_beyond_device(row: dict) -> Optional[str]:
+    """When the out-of-memory ``row`` shows that its case needs more than the whole GPU
+    (:func:`parity.run.out_of_memory.beyond_device`), say so in its ``message`` (and ``first_failure.message``):
+    a re-run alone would only run out again, so the pool makes none. Returns the sentence, else None."""
+    first = row.get("first_failure") if isinstance(row.get("first_failure"), dict) else {}
+    text = " ".join(t for t in (row.get("message"), first.get("message")) if isinstance(t, str))
+    beyond = beyond_device(text)
+    if beyond is not None:
+        for holder in (row, first):
+            if isinstance(holder.get("message"), str) and beyond not in holder["message"]:
+                holder["message"] += f" [{beyond}; not re-run alone]"
+    return beyond
 
 
 def is_out_of_memory(row: Any) -> bool:
@@ -284,7 +301,9 @@ class WorkerPool:
                     elif self.fresh or (rows and rows[0].get("outcome") == "error"):
                         w.stop()  # a poisoned CUDA context must not run the next case
                     device = labels[i]
-                    if rows and job.retried is None and sharing[device] > 1 and is_out_of_memory(rows[0]):
+                    beyond = _note_beyond_device(rows[0]) if rows and is_out_of_memory(rows[0]) else None
+                    if rows and job.retried is None and sharing[device] > 1 and is_out_of_memory(rows[0]) \
+                            and beyond is None:
                         note = f"out of memory while sharing {device} with {sharing[device]} workers; re-run alone"
                         retries.append(_Job(job.key, job.request, note, device))
                         continue

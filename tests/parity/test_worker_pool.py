@@ -336,3 +336,30 @@ def test_a_killed_run_leaves_no_worker_behind():
         assert not _gone(survivor, within=1.0)
     finally:
         os.kill(survivor, signal.SIGKILL)
+
+
+def test_a_case_that_needs_more_than_the_whole_gpu_is_not_re_run_alone(tmp_path):
+    """torch's message says what the process held and asked for: past the GPU's capacity a re-run alone would only run
+    out again (and hold the device's other workers back), so the row is yielded at once, saying why. Control: the
+    fitting message of the other tests is re-run alone (above); here both kinds run in one pool."""
+    from parity.run.out_of_memory import beyond_device, least_need
+
+    items = oom_jobs(tmp_path, ("huge", "oom_beyond", 0.0), ("big", "oom_once", 0.2), ("p", "pass", 0.0))
+    done = run_list(WorkerPool(plan_slots(2, "cuda", tokens=["0"]), timeout=30, command=CHILD), items)
+    assert sorted(f.key for f in done) == ["big", "huge", "p"]
+    huge = next(f for f in done if f.key == "huge")
+    assert huge.rows[0]["outcome"] == "error" and is_out_of_memory(huge.rows[0])
+    assert "retried" not in huge.rows[0] and huge.retried is None
+    assert "needs at least 81.77 GiB of GPU memory" in huge.rows[0]["message"]
+    assert "more than the GPU's 79.18 GiB" in huge.rows[0]["message"] and "not re-run alone" in huge.rows[0]["message"]
+    assert [e[0] for e in events(tmp_path) if e[1] == "huge"] == ["start", "end"]  # ran once
+    big = next(f for f in done if f.key == "big")
+    assert big.rows[0]["retried"] and big.rows[0]["outcome"] == "pass"  # control: a case that fits was re-run
+    # the bound: PyTorch's allocation (else the whole process) plus the request; None for any other text
+    from tests.parity.pool_child import OOM, OOM_BEYOND
+
+    gib = 1 << 30
+    assert least_need(OOM_BEYOND) == (int(62.16 * gib) + int(19.61 * gib), int(79.18 * gib))
+    assert least_need(OOM) == (int(5.92 * gib) + int(4.97 * gib), int(139.80 * gib)) and beyond_device(OOM) is None
+    assert least_need(TORCH_OOM) == (0 + 32768 * gib, int(139.80 * gib)) and beyond_device(TORCH_OOM)
+    assert least_need(CUDA_RUNTIME_OOM) is None and beyond_device("CUBLAS_STATUS_ALLOC_FAILED") is None
