@@ -13,8 +13,10 @@
 #   12d     12d3cc03e3 (its parent): must fail, naming the fused-path tensors
 # DEADLINE=S (seconds this call may spend, default 560) stops the gate in time; the next call resumes it
 # (`dsv4-parity gate --out DIR --resume`, the README's way to continue a killed `make parity`).
-# What comes back: $OUT/summary.txt (every gate's closing summary) and $OUT/pr-gate-<stage>.tar.gz (each path's
-# results.jsonl, the gate's summary and, for head, the recorded baseline).
+# What comes back: $OUT/summary.txt (every gate's closing summary) and $OUT/pr-gate-<stage>-<paths>-<arch>.tar.gz
+# (the gate directory: each path's results.jsonl, gate.json, the log and, for head, the recorded baselines). Put one in
+# `.mg/` and a later call on a fresh machine of the same card continues that gate instead of starting it again (the
+# machine goes back ~30 s after a call; a resumed run never mixes cards: the archive's name carries the card).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out="${OUT:-reports/out}"
@@ -43,16 +45,25 @@ tree() {  # stage, revision -> the Megatron tree's directory (extracted once)
 }
 rundir() {  # gate dir, path -> that path's run directory (a gate of one path is its run directory)
   if [ -d "$1/$2" ]; then echo "$1/$2"; elif [ "$paths" = "$2" ]; then echo "$1"; else echo "$1/$2"; fi; }
-pack() {  # stage, gate dir
-  local tmp="/tmp/pack-$1"; rm -rf "$tmp"; mkdir -p "$tmp"
-  for p in unfused cudnn; do [ -f "$(rundir "$2" $p)/results.jsonl" ] && cp "$(rundir "$2" $p)/results.jsonl" "$tmp/$p.jsonl"; done
-  cp "$2.log" "$tmp/gate.log" 2>/dev/null
-  [ "$1" = head ] && [ -d "$saved" ] && cp -r "$saved" "$tmp/baselines"
-  tar czf "$out/pr-gate-$1.tar.gz" -C "$tmp" .
+pack() {  # stage, gate dir -> $OUT/pr-gate-<stage>-<paths>-<arch>.tar.gz: what the gate wrote (each path's
+  # results.jsonl, gate.json, the log; beside it, for head, the baselines recorded here), the report renderings left
+  # out. Carried back in `.mg`, it lets a later call on a fresh machine of the same card continue the gate (`unpack`).
+  local name="pr-gate-$1-$paths-$arch.tar.gz" extra=""
+  cp "$2.log" "$2/gate.log" 2>/dev/null
+  [ "$1" = head ] && [ -d "$saved" ] && extra="$(basename "$saved")"
+  tar czf "$out/$name" --exclude=index.html --exclude=results.csv --exclude=.lock -C "$(dirname "$2")" \
+    "$(basename "$2")" $extra
+}
+unpack() {  # stage, gate dir: a gate an earlier call packed on this card (.mg/pr-gate-...), when this machine has none
+  local packed=".mg/pr-gate-$1-$paths-$arch.tar.gz"
+  [ -e "$2" ] || [ ! -f "$packed" ] && return
+  tar xzf "$packed" -C "$(dirname "$2")" && note "$1: continuing the gate packed by an earlier call ($packed)"
+  restore  # the baselines it recorded (pr-baselines beside the gate directory)
 }
 restore
 for stage in "${@:-head 608 12d}"; do
   dir="/tmp/pr-$stage-$paths"
+  unpack "$stage" "$dir"
   [ -f "$dir/.done" ] && { note "$stage: done earlier ($(cat "$dir/.done"))"; continue; }
   case "$stage" in
     head) rev=head  # a path whose baseline this arch lacks runs ungated and, complete, is recorded
