@@ -126,20 +126,44 @@ class _PhaseClock:
     """``with clock("impl"): ...`` adds the block's wall seconds to ``seconds["impl"]``; on CUDA the device is
     synchronised at both ends, so queued kernels count in the phase that launched them. ``impl`` and ``reference``
     are the two implementations (the reference's float64 "truth" and same-dtype "noise" runs together, forward and
-    backward with their snapshots); ``materialize`` and ``compare`` are the harness's own time."""
+    backward with their snapshots); ``materialize`` and ``compare`` are the harness's own time.
 
-    def __init__(self, seconds: dict, device: str):
+    On CUDA, ``peaks[phase]`` is the most GPU memory PyTorch had allocated in this process while the phase ran (what
+    the case's tensors and the phase's own work held together, ``torch.cuda.max_memory_allocated`` after a reset at
+    the phase's start; the largest over a phase's blocks): what the case needs of a GPU, phase by phase, to schedule
+    cases by memory and to see a change of production's footprint. A phase that ran out of memory records what was
+    allocated up to the failing request (the request itself is in the error message)."""
+
+    def __init__(self, seconds: dict, device: str, peaks: Optional[dict] = None):
         self.seconds, self.cuda = seconds, device == "cuda"
+        self.peaks = peaks if peaks is not None else {}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         self._sync()
+        self._reset_peak()
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self._sync()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            self._read_peak(phase)
+
+    def _reset_peak(self) -> None:
+        if self.cuda:
+            try:
+                torch.cuda.reset_peak_memory_stats()
+            except Exception:  # noqa: BLE001 — memory statistics are a record, never a failure of the case
+                pass
+
+    def _read_peak(self, phase: str) -> None:
+        if self.cuda:
+            try:
+                peak = int(torch.cuda.max_memory_allocated())
+            except Exception:  # noqa: BLE001
+                return
+            self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -239,7 +263,7 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
     device = options.torch_device()
     if case.device == "cuda" and device != "cuda" and options.device == "auto":  # an explicit --device overrides
         return finish("unsupported", "device", "the case needs a CUDA device (kernel-profile shapes)")
-    clock = _PhaseClock(result.phases_s, device)
+    clock = _PhaseClock(result.phases_s, device, result.peak_gpu_bytes)
     stage, impl_run = "materialize", None
     try:
         with clock("materialize"):
