@@ -32,7 +32,9 @@ worker), ``unsupported`` (the implementation declined the case: ``cases.vocabula
 from __future__ import annotations
 
 import contextlib
+import functools
 import shlex
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -353,6 +355,24 @@ def observe_pattern(case: Case, impl: Implementation, tensors, provider: str, op
     return sign_split.Pattern(active, sign_split.window(case, settings), sign_split.split_scores(active, scores))
 
 
+def eager(fn):
+    """``fn`` run with no TorchDynamo frame callback in effect: the oracle (the reference) is plain eager PyTorch,
+    whatever a ``torch.compile``\'d implementation in the same worker left installed (production compiles its query
+    RMS norm). Why: under a Dynamo callback the reference's checkpointed row blocks (``reference.numerics.per_block``)
+    break — ``CheckpointError`` on a CPU (tests/parity/test_eager_reference.py) — and the H100 gate of 2026-12-06 had
+    one reference ``CheckpointError`` (482c769e7e15 at 608545cfc6, run after production's compiled code in the same
+    worker; alone it passed). That it was this is not proven; the guard costs nothing where Dynamo was never
+    imported and keeps the reference out of any compiler's reach."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:  # never imported: no callback can be installed
+            return fn(*args, **kwargs)
+        return dynamo.disable(fn, recursive=True)(*args, **kwargs)
+    return run
+
+
+@eager
 def reference_runs(case: Case, against: Implementation, tensors, split: Optional[torch.Tensor],
                    pattern: Optional[sign_split.Pattern] = None, precision: Optional[str] = None, *,
                    with_loss: bool = True) -> tuple:
@@ -398,10 +418,10 @@ def api_runs(case: Case, impl: Implementation, against: Implementation, tensors,
     with clock("impl"):
         api_check.merge(impl_snap, api_check.run_api(impl.api, case, tensors, context=impl.context(provider, require)))
     with clock("reference"):
-        truth_api = api_check.run_api(against.api, case, tensors, upcast=True)
+        truth_api = eager(api_check.run_api)(against.api, case, tensors, upcast=True)
         api_check.merge(truth, truth_api)
         if noise is not truth:
-            api_check.merge(noise, api_check.run_api(against.api, case, tensors))
+            api_check.merge(noise, eager(api_check.run_api)(against.api, case, tensors))
 
 
 def snapshots(case: Case, impl: Implementation, against: Implementation, options: RunOptions) -> tuple:
