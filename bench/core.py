@@ -26,6 +26,9 @@ Sections (``--sections``, all by default):
   becomes a finding that names it (module, function, file:line).
 * ``gate`` (only when named) — the whole gate suite as ``dsv4-parity run`` subprocesses, cold (empty compiled-kernel
   cache) then warm (the same cache): wall time, phases, compiles and loads per kernel (:mod:`bench.gate`).
+* ``ops`` (only when named) — the ATen ops each engine phase dispatches per case of ``--harness-suite`` (on CUDA,
+  about one kernel launch each; the reference's by site): the launch count of the gate, the same on any machine
+  (:mod:`bench.ops`).
 * ``startup`` — ``dsv4-parity --help``, ``run --help`` and two mistyped commands, each a fresh process, against
   ``python -c pass`` as a ratio (``import torch`` beside them for scale; :mod:`bench.startup`).
 * ``harness`` — a parity run of ``--harness-suite`` (in-process; the time split by the engine's own per-case
@@ -278,6 +281,9 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
       suite_cases suite_estimate_s counts``;
     * ``startup``: ``repeats rows[{command argv runs median_s min_s ratio exit_code torch_loaded}]``, ``ratio`` = the
       command's median wall time / ``python -c pass``'s (:mod:`bench.startup`);
+    * ``ops`` (when run): ``suite status cases suite_cases device torch ops_per_case phases{phase: {ops ops_per_case
+      max_per_case max_case top[[op n]]}} sites{phase: [[site n]]} rows[{case outcome ops{phase: n}}]``
+      (:mod:`bench.ops`);
     * ``targets``: ``name target measured unit status note``; ``findings``: ``kind function where message``;
       ``skipped``: ``what why``.
     """
@@ -287,7 +293,7 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
             "argv": list(argv), "settings": settings.to_dict(), "env": environment(settings.device),
             "machine": machine(), "peak_tflops": settings.peak_tflops, "impls": {}, "e2e": [], "side_by_side": [],
             "stages": [], "breakdown": [],
-            "scaling": {"series": [], "fits": []}, "harness": None, "startup": None, "targets": [], "findings": [], "skipped": [],
+            "scaling": {"series": [], "fits": []}, "harness": None, "startup": None, "ops": None, "targets": [], "findings": [], "skipped": [],
             "duration_s": None}
 
 
@@ -685,6 +691,16 @@ class Bench:
                  + (f" ({row['message']})" if row["message"] else ""))
         return row
 
+    # ---- ops
+    def run_ops(self) -> None:
+        from bench.ops import ops_section
+
+        deadline = self.budget.section(SECTION_SHARE["harness"])
+        try:
+            self.report["ops"] = ops_section(self.s, self.log, deadline)
+        except Exception as exc:  # noqa: BLE001
+            self.report["ops"] = {"suite": self.s.harness_suite, "status": _status_of(exc), "message": _one_line(exc)}
+
     # ---- harness
     def run_harness(self) -> None:
         deadline = self.budget.section(SECTION_SHARE["harness"])
@@ -856,6 +872,9 @@ def _run_sections(settings: Settings, argv: Sequence[str], log: Callable[[str], 
     if "harness" in settings.sections:
         bench.run_harness()
         done("harness")
+    if "ops" in settings.sections:
+        bench.run_ops()
+        done("ops")
     if "gate" in settings.sections:
         report["gate"] = run_gate_section(settings, log)
         done("gate")

@@ -80,6 +80,11 @@ def check_schema(report: Any) -> list[str]:
             need(h, {"cases": int, "suite_cases": int, "total_s": (int, float), "cases_per_min": (int, float),
                      "phases": dict, "overhead_share": (int, float), "suite_estimate_s": (int, float),
                      "counts": dict}, "harness")
+    ops = report.get("ops")  # absent unless the section ran
+    if ops is not None:
+        need(ops, {"suite": str, "status": str}, "ops")
+        if isinstance(ops, dict) and ops.get("status") in ("ok", "partial"):
+            need(ops, {"cases": int, "ops_per_case": (int, float), "phases": dict, "sites": dict, "rows": list}, "ops")
     st = report.get("startup")  # absent from reports older than the section
     if st is not None:
         need(st, {"status": str, "rows": list}, "startup")
@@ -212,6 +217,7 @@ def render_tables(report: dict, console=None) -> None:
         console.print(t)
     elif h:
         console.print(f"harness: {h.get('status')} {h.get('message')}")
+    _ops_tables(report.get("ops"), console)
     st = report.get("startup")
     if st and st.get("rows"):
         t = Table(title=f"Start-up: each command a fresh process, median of {st['repeats']}, against python -c pass")
@@ -234,6 +240,35 @@ def render_tables(report: dict, console=None) -> None:
         console.print(f"[bold red]finding[/] {f['function'] or ''} {f['where'] or ''}: {f['message']}")
     if report["skipped"]:
         console.print(f"skipped: {len(report['skipped'])} item(s) (see the JSON)")
+
+
+def _ops_tables(ops: Optional[dict], console) -> None:
+    """The ``ops`` section: ATen ops per case by phase (most first), then the reference's sites."""
+    if not ops:
+        return
+    from rich.table import Table
+
+    if ops.get("status") not in ("ok", "partial"):
+        console.print(f"ops: {ops.get('status')} {ops.get('message')}")
+        return
+    t = Table(title=f"ATen ops per case ({ops['cases']}/{ops['suite_cases']} {ops['suite']} cases, {ops['device']}"
+                    f"{', cut by the budget' if ops['status'] == 'partial' else ''}): "
+                    f"{ops['ops_per_case']:.0f} a case")
+    for col in ("phase", "per case", "max", "max case", "most frequent"):
+        t.add_column(col, justify="right" if col in ("per case", "max") else "left")
+    for phase, p in sorted(ops["phases"].items(), key=lambda kv: -kv[1]["ops"]):
+        t.add_row(phase, f"{p['ops_per_case']:.0f}", str(p["max_per_case"]), p["max_case"],
+                  ", ".join(f"{name} {n}" for name, n in p["top"][:4]))
+    console.print(t)
+    for phase, where in ops.get("sites", {}).items():
+        t = Table(title=f"{phase}: ops by site (innermost frame of reference/)")
+        t.add_column("site")
+        t.add_column("ops", justify="right")
+        t.add_column("share", justify="right")
+        total = ops["phases"].get(phase, {}).get("ops") or 1
+        for site, n in where:
+            t.add_row(site, str(n), f"{n / total:.1%}")
+        console.print(t)
 
 
 def _side_by_side_table(console, rows: list, impls: list) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 #: sections run by default, in order
 SECTIONS = ("e2e", "stages", "breakdown", "scaling", "harness", "startup")
-#: sections run only when named: the whole gate suite, cold and warm (bench/gate.py)
-OPT_IN_SECTIONS = ("gate",)
+#: sections run only when named: the whole gate suite, cold and warm (bench/gate.py); the ATen ops each engine phase
+#: dispatches per case (bench/ops.py)
+OPT_IN_SECTIONS = ("gate", "ops")
 #: seq: one sequence of T tokens (BSHD); pack: a THD pack of fixed-length segments
 LAYOUTS = ("seq", "pack")
 #: the indexer loss of the benchmarked layer

@@ -69,6 +69,8 @@ examples:
   dsv4-parity bench --profile kernel,flash,pro --tokens 4K,8K,16K,32K,64K --json $OUT/bench.json   # one H200
   dsv4-parity bench --sections harness --harness-suite smoke --harness-limit 0   # the whole smoke suite
   dsv4-parity bench --sections gate --json $OUT/gate.json   # one H200: the gate suite cold, then warm
+  dsv4-parity bench --sections ops --harness-suite smoke --harness-limit 0 --json out/ops.json
+                                                      # ATen ops (~ kernel launches) per case and phase, any device
   dsv4-parity bench --sections e2e --impl megatron --provider emulated --profile tiny --tokens 256 --no-reference
                                                       # CPU: production's fused path over the torch stand-ins
   dsv4-parity bench --sections e2e --impl fused,megatron --profile kernel,pro --tokens 4K,16K,32K \\
@@ -125,7 +127,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     p.add_argument("--budget-s", type=float, help="deadline for the whole bench in seconds (CPU 55, CUDA 300; 0 = none)")
     p.add_argument("--ref-max-tokens", type=int,
                    help="skip reference runs above this T (CUDA default 32768; 0 = no limit)")
-    p.add_argument("--harness-suite", help="suite for the harness section (CPU smoke, CUDA gate)")
+    p.add_argument("--harness-suite", help="suite for the harness and ops sections (CPU smoke, CUDA gate)")
     p.add_argument("--harness-limit", type=int,
                    help="cases of it, spread over the suite (CPU 0 = all, CUDA 24)")
     p.add_argument("--no-harness-report", action="store_true", help="do not time the report rendering")

@@ -37,8 +37,9 @@ import shlex
 import sys
 import time
 import traceback
+import contextvars
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -124,6 +125,21 @@ def _backward_origin(impl: Implementation, case: Case, run: tuple, provider: str
         return ""
 
 
+_PHASE_OBSERVER: contextvars.ContextVar = contextvars.ContextVar("phase_observer", default=None)
+
+
+@contextlib.contextmanager
+def observing_phases(observer: Callable[[str], ContextManager]) -> Iterator[None]:
+    """Within the block, every case run in this thread enters ``observer(phase)`` around each of its timed phases
+    (``materialize``, ``impl``, ``sign_split``, ``reference``, ``compare``), inside the phase's clock: how the bench
+    counts the ATen ops each phase dispatches (:mod:`bench.ops`). Cases run in worker processes are not observed."""
+    token = _PHASE_OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _PHASE_OBSERVER.reset(token)
+
+
 class _PhaseClock:
     """``with clock("impl"): ...`` adds the block's wall seconds to ``seconds["impl"]``; on CUDA the device is
     synchronised at both ends, so queued kernels count in the phase that launched them. ``impl`` and ``reference``
@@ -136,9 +152,11 @@ class _PhaseClock:
     cases by memory and to see a change of production's footprint. A phase that ran out of memory records what was
     allocated up to the failing request (the request itself is in the error message)."""
 
-    def __init__(self, seconds: dict, device: str, peaks: Optional[dict] = None):
+    def __init__(self, seconds: dict, device: str, peaks: Optional[dict] = None,
+                 observer: Optional[Callable[[str], ContextManager]] = None):
         self.seconds, self.cuda = seconds, device == "cuda"
         self.peaks = peaks if peaks is not None else {}
+        self.observer = observer
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -146,7 +164,8 @@ class _PhaseClock:
         self._reset_peak()
         t0 = time.perf_counter()
         try:
-            yield
+            with (self.observer(phase) if self.observer else contextlib.nullcontext()):
+                yield
         finally:
             self._sync()
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
@@ -265,7 +284,7 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
     device = options.torch_device()
     if case.device == "cuda" and device != "cuda" and options.device == "auto":  # an explicit --device overrides
         return finish("unsupported", "device", "the case needs a CUDA device (kernel-profile shapes)")
-    clock = _PhaseClock(result.phases_s, device, result.peak_gpu_bytes)
+    clock = _PhaseClock(result.phases_s, device, result.peak_gpu_bytes, _PHASE_OBSERVER.get())
     stage, impl_run = "materialize", None
     try:
         with clock("materialize"):
@@ -437,4 +456,4 @@ def snapshots(case: Case, impl: Implementation, against: Implementation, options
     return tensors, impl_snap, truth, noise
 
 
-__all__ = ["RunOptions", "configure_torch", "run_case", "snapshots"]
+__all__ = ["RunOptions", "configure_torch", "observing_phases", "run_case", "snapshots"]

@@ -101,7 +101,7 @@ def compress_with_params(x: torch.Tensor, params: Mapping[str, torch.Tensor], pr
         get_param(params, f"{prefix}.linear_wgate.weight", (coff * d, Hd)),
         get_param(params, f"{prefix}.ape", (ratio, coff * d)),
         get_param(params, f"{prefix}.norm.weight", (d,)),
-        ratio=ratio, head_dim=d, inv_freq=layer_inv_freq(config), eps=config.layernorm_epsilon, rotate=rotate)
+        ratio=ratio, head_dim=d, inv_freq=layer_inv_freq(config, x.device), eps=config.layernorm_epsilon, rotate=rotate)
 
 
 def compressor(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], prefix: str, config: ModelConfig,

@@ -7,13 +7,17 @@ symmetric and orthogonal, so it leaves the indexer's dot products unchanged in e
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .numerics import compute_dtype
 
 
+@functools.lru_cache(maxsize=None)
 def hadamard_matrix(d: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
-    """The ``d x d`` Sylvester Hadamard matrix (entries +-1); ``d`` must be a power of two."""
+    """The ``d x d`` Sylvester Hadamard matrix (entries +-1); ``d`` must be a power of two. A constant of its
+    arguments, built once per ``(d, dtype, device)`` (read-only: no caller writes to it)."""
     if d <= 0 or d & (d - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two size, got {d}")
     h = torch.ones(1, 1, dtype=dtype, device=device)

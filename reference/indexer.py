@@ -109,7 +109,7 @@ def indexer_sequence(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mappi
     nI, dI = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
     x, qr = hidden.detach(), q_latent.detach()
     q = indexer_query(qr, get_param(params, "core_attention.indexer.linear_wq_b.weight", (nI * dI, c.q_lora_rank)),
-                      nI, dI, layer_inv_freq(c))
+                      nI, dI, layer_inv_freq(c, qr.device))
     if index_keys is None:
         index_keys = compress_with_params(x, params, INDEXER_PREFIX, c, rotate=True)
     w = indexer_weights(x, get_param(params, "core_attention.indexer.linear_weights_proj.weight",

@@ -52,7 +52,7 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
         positions = torch.arange(hidden.shape[1], device=hidden.device).view(1, -1)  # [1, S]
         real = None
     head_positions = positions.unsqueeze(-1)                         # broadcast over the head dim
-    inv_freq = layer_inv_freq(c)
+    inv_freq = layer_inv_freq(c, hidden.device)
     eps = c.layernorm_epsilon
 
     q_latent = rms_norm(hidden @ get_param(params, "linear_q_down_proj.weight", (Rq, Hd)).t(),

@@ -17,6 +17,7 @@ the activation dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -53,16 +54,22 @@ def yarn_inv_freq(dim: int, base: float, scaling_factor: float, original_max_pos
     return extra / scaling_factor * ramp + extra * (1.0 - ramp)
 
 
-def layer_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """The layer's frequencies: YaRN with ``csa_compress_rotary_base`` iff ``compress_ratio > 1``, else plain RoPE.
+@functools.lru_cache(maxsize=None)
+def layer_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
+    """The layer's frequencies (float64, on ``device``; default the CPU): YaRN with ``csa_compress_rotary_base`` iff
+    ``compress_ratio > 1``, else plain RoPE.
 
-    The same table serves Q, K, the inverse on O, both compressors (at positions ``g*r``) and the indexer query.
+    The same table serves Q, K, the inverse on O, both compressors (at positions ``g*r``) and the indexer query. A
+    constant of the config, made once per ``(config, device)`` (read-only: no caller writes to it), so a rotation on
+    the GPU copies no table from the host.
     """
     c = config
     if c.uses_yarn:
-        return yarn_inv_freq(c.qk_pos_emb_head_dim, c.csa_compress_rotary_base, c.rotary_scaling_factor,
+        freq = yarn_inv_freq(c.qk_pos_emb_head_dim, c.csa_compress_rotary_base, c.rotary_scaling_factor,
                              c.original_max_position_embeddings, c.beta_fast, c.beta_slow)
-    return plain_inv_freq(c.qk_pos_emb_head_dim, c.rotary_base)
+    else:
+        freq = plain_inv_freq(c.qk_pos_emb_head_dim, c.rotary_base)
+    return freq.to(device) if device is not None else freq
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,

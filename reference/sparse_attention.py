@@ -84,7 +84,7 @@ def sum_rows_in_order(values: torch.Tensor, ids: torch.Tensor, rows: int) -> tor
     acc = ordered[:per_rank[0]].clone()
     at = per_rank[0]
     for n in per_rank[1:]:
-        acc[:n] += ordered[at:at + n]
+        acc[:n].add_(ordered[at:at + n])  # in place on the view: one op (``acc[:n] += ...`` copies it back too)
         at += n
     out[row_ids.index_select(0, by_count)] = acc
     return out

@@ -84,3 +84,29 @@ def test_no_ids_and_only_padding_give_zero_gradients():
     values = torch.randn(3, 5)
     assert torch.equal(sum_rows_in_order(values, torch.tensor([-1, -1, -1]), 4), torch.zeros(4, 5))
     assert torch.equal(sum_rows_in_order(values[:0], torch.zeros(0, dtype=torch.int64), 2), torch.zeros(2, 5))
+
+
+def test_one_add_per_duplicate_rank_and_no_copy_back():
+    """The schedule's launch count: ranks 2..L of the longest run each take one in-place add on a view of the
+    accumulator; ``acc[:n] += x`` would copy the view back onto itself as well (a second kernel per rank on CUDA).
+    Control: the same loop written with ``+=`` on the slice dispatches that copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.tensor([3, 1, 3, 3, 0, 1, 3])                # row 3 four times: ranks 1..4
+    values = torch.randn(ids.numel(), 8, dtype=torch.float64)
+    with Ops() as seen:
+        sum_rows_in_order(values, ids, 5)
+    assert seen.names.count("add_") == 3 and "copy_" not in seen.names
+    acc, more = torch.zeros(4, 8), torch.ones(2, 8)
+    with Ops() as augmented:
+        acc[:2] += more
+    assert augmented.names.count("copy_") == 1
