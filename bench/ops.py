@@ -13,8 +13,9 @@ the fused path against the reference, ``--provider``), and counts every ATen op 
   a few none);
 * not counted: kernels that do not go through ATen (the providers' cuDNN / FlashMLA / CuTe-DSL calls on CUDA,
   compiled graphs' fused kernels), and host work between ops;
-* ``sites``: for the phases named in ``SITE_PHASES`` (the reference), each op is attributed to the innermost frame of
-  this repository's ``reference/`` that issued it (``sparse_attention.py:sum_rows_in_order``) — what to cut first;
+* ``sites``: for the phases named in ``SITE_PHASES`` (the reference; compare), each op is attributed to the innermost
+  frame of the phase's directory (``reference/``; ``parity/judge/``) that issued it
+  (``sparse_attention.py:sum_rows_in_order``) — what to cut first;
   an op of a built-in autograd node's backward has no such frame: it is ``(backward of <the repository frame that
   called backward>)``.
 
@@ -40,10 +41,9 @@ FREE = frozenset({
     "expand", "expand_as", "t", "transpose", "permute", "unsqueeze", "squeeze", "select", "slice", "narrow", "split",
     "split_with_sizes", "unbind", "chunk", "diagonal", "unfold", "movedim", "real", "imag", "conj",
 })
-#: phases whose ops are attributed to a site (a frame of ``SITE_ROOT``)
-SITE_PHASES = ("reference",)
 REPO_ROOT = str(Path(__file__).resolve().parents[1]) + "/"
-SITE_ROOT = REPO_ROOT + "reference/"
+#: phases whose ops are attributed to a site: the innermost frame under the phase's directory
+SITE_PHASES = {"reference": REPO_ROOT + "reference/", "compare": REPO_ROOT + "parity/judge/"}
 TOP = 12
 
 
@@ -51,7 +51,7 @@ class OpCounter(TorchDispatchMode):
     """Counts the ATen ops dispatched while active (``ops``: name -> count, :data:`FREE` left out); with ``sites``,
     also by the innermost frame under ``site_root`` (``file.py:function``; ``(other)`` when none)."""
 
-    def __init__(self, sites: bool = False, site_root: str = SITE_ROOT):
+    def __init__(self, sites: bool = False, site_root: str = SITE_PHASES["reference"]):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
         self.sites: collections.Counter = collections.Counter()
@@ -98,7 +98,7 @@ class PhaseCounts:
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        counter = OpCounter(sites=phase in SITE_PHASES)
+        counter = OpCounter(sites=phase in SITE_PHASES, site_root=SITE_PHASES.get(phase, ""))
         try:
             with counter:
                 yield

@@ -261,7 +261,7 @@ def _ops_tables(ops: Optional[dict], console) -> None:
                   ", ".join(f"{name} {n}" for name, n in p["top"][:4]))
     console.print(t)
     for phase, where in ops.get("sites", {}).items():
-        t = Table(title=f"{phase}: ops by site (innermost frame of reference/)")
+        t = Table(title=f"{phase}: ops by site (the innermost frame of the phase's own code)")
         t.add_column("site")
         t.add_column("ops", justify="right")
         t.add_column("share", justify="right")

@@ -61,7 +61,9 @@ def test_every_phase_of_a_case_is_counted_only_while_observed():
     assert set(counts.per_phase) >= {"materialize", "impl", "reference", "compare"}
     assert all(sum(ops.values()) > 0 for ops in counts.per_phase.values())
     assert sum(counts.sites["reference"].values()) == sum(counts.per_phase["reference"].values())
-    assert not counts.sites["impl"]                           # sites only for the reference
+    assert sum(counts.sites["compare"].values()) == sum(counts.per_phase["compare"].values())
+    assert any(site.startswith("metrics.py:") for site in counts.sites["compare"])
+    assert not counts.sites["impl"]                           # sites only for the reference and the comparison
     # control: a case run outside observing_phases reaches no observer
     seen = PhaseCounts()
     with engine.observing_phases(seen):
