@@ -6,6 +6,8 @@
 #             gradient bit-identical to autograd's index_put on CUDA, the reference on CUDA
 #   fused     bench --sections gate --gate-runs cold,warm: make parity's gate (fused, cudnn, --workers auto)
 #   production bench --sections gate --gate-impl megatron --gate-runs warm over the same kernel cache
+#   ops       bench --sections ops over 24 gate cases on the GPU (fused, cudnn): ATen ops per case and phase, the
+#             reference's and the comparison's by site (compare with reports/baselines/cpu/bench/NOTE-ops-20261206.md)
 # Megatron (production): .mg/megatron-lm-dev-*.tar.gz (the pinned snapshot), carried as .mg.
 # Usage: bash .ci/h200-gate-speed.sh STAGE ...
 set -uo pipefail
@@ -40,6 +42,10 @@ for r in g.get("runs", []):
           f"wall/impl {r.get('wall_over_impl')}, target {r.get('target_s')} met {r.get('met')}")
 PY
       ;;
+    ops)
+      timeout -k 10 400 python3 -m cli bench --sections ops --harness-suite gate --harness-limit 24 --provider cudnn \
+        --budget-s 360 --json "$out/bench-ops.json" --no-plot > "$out/bench-ops.log" 2>&1
+      note "ops bench: exit $? in $(( $(date +%s) - t0 )) s: $(grep -m1 'ATen ops a case' "$out/bench-ops.log")" ;;
     *) note "unknown stage $stage" ;;
   esac
 done

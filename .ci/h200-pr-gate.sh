@@ -11,6 +11,8 @@
 #           h200/megatron-unfused-gate; the fused path is gated against h200/megatron-cudnn-gate
 #   608     608545cfc6 (the fused CSA indexer-loss fix): both paths against both baselines; must pass
 #   12d     12d3cc03e3 (its parent): must fail, naming the fused-path tensors
+#   probe   not a gate: .ci/probes/gather_backward.py on e0e0647850c7 at head (whether the gather-backward-atomic
+#           stand-in hooks production's KV gather there, and the deterministic flag its scatter runs under)
 # DEADLINE=S (seconds this call may spend, default 560) stops the gate in time; the next call resumes it
 # (`dsv4-parity gate --out DIR --resume`, the README's way to continue a killed `make parity`).
 # What comes back: $OUT/summary.txt (every gate's closing summary) and $OUT/pr-gate-<stage>-<paths>-<arch>.tar.gz
@@ -62,6 +64,12 @@ unpack() {  # stage, gate dir: a gate an earlier call packed on this card (.mg/p
 }
 restore
 for stage in "${@:-head 608 12d}"; do
+  if [ "$stage" = probe ]; then
+    DSV4_MEGATRON="$(tree head head)" timeout -k 10 "$(left)" python3 .ci/probes/gather_backward.py e0e0647850c7 \
+      > "$out/probe-gather-backward.txt" 2>&1
+    note "probe (e0e0647850c7, head, unfused): exit $?; $(grep -c 'GatherBackward0' "$out/probe-gather-backward.txt") KV gathers listed, $(grep -m1 'install:' "$out/probe-gather-backward.txt")"
+    continue
+  fi
   dir="/tmp/pr-$stage-$paths"
   unpack "$stage" "$dir"
   [ -f "$dir/.done" ] && { note "$stage: done earlier ($(cat "$dir/.done"))"; continue; }
@@ -73,7 +81,7 @@ for stage in "${@:-head 608 12d}"; do
     608|12d) [ "$stage" = 608 ] && rev=608545cfc6 || rev=12d3cc03e3
       case "$paths" in auto) baseline="unfused=auto,cudnn=$(cudnn_base)" ;; cudnn) baseline=$(cudnn_base) ;;
         *) baseline=auto ;; esac ;;
-    *) echo "usage: bash .ci/h200-pr-gate.sh [head|608|12d ...]" >&2; exit 2 ;;
+    *) echo "usage: bash .ci/h200-pr-gate.sh [head|608|12d|probe ...]" >&2; exit 2 ;;
   esac
   megatron=$(tree "$stage" "$rev")
   [ "$(left)" -gt 60 ] || { note "$stage: not started ($(left) s left in this call)"; break; }
