@@ -39,7 +39,7 @@ def engine_phases(rows: list[dict]) -> dict[str, float]:
     return seconds
 
 
-def _spread(cases: list, limit: int) -> list:
+def spread_cases(cases: list, limit: int) -> list:
     """``limit`` cases spread evenly over the suite (all when ``limit`` ≤ 0 or ≥ the suite)."""
     if limit <= 0 or limit >= len(cases):
         return list(cases)
@@ -59,7 +59,7 @@ def harness_throughput(s: Any, log: Callable[[str], None], deadline: Optional[fl
     t0 = time.perf_counter()
     suite = load_suite(s.harness_suite)
     load_s = time.perf_counter() - t0
-    chosen = _spread(suite, s.harness_limit)
+    chosen = spread_cases(suite, s.harness_limit)
     batches = [chosen] if deadline is None else [chosen[:2], chosen[2:]]
     options = RunOptions(impl="fused", against="reference", provider=s.provider_for("fused"), device=s.device)
     total, ran = 0.0, 0
@@ -69,7 +69,7 @@ def harness_throughput(s: Any, log: Callable[[str], None], deadline: Optional[fl
         for i, batch in enumerate(batches):
             if i and ran:  # size the rest by the first batch's pace
                 left = (deadline - time.monotonic()) * 0.9
-                batch = _spread(batch, max(int(left / (total / ran)), 0)) if left > 0 else []
+                batch = spread_cases(batch, max(int(left / (total / ran)), 0)) if left > 0 else []
             if not batch:
                 continue
             out_dir = Path(tmp) / f"run{i}"

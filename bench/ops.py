@@ -107,13 +107,6 @@ class PhaseCounts:
             self.sites[phase].update(counter.sites)
 
 
-def _spread(cases: list, limit: int) -> list:
-    if limit <= 0 or limit >= len(cases):
-        return list(cases)
-    step = len(cases) / limit
-    return [cases[int(i * step)] for i in range(limit)]
-
-
 def count_case(case, options, fused=None, reference=None) -> tuple[Any, PhaseCounts]:
     """``(result, counts)`` of one case run through the engine with every phase's ops counted."""
     from parity import engine, impls
@@ -131,12 +124,13 @@ def ops_section(s: Any, log: Callable[[str], None], deadline: Optional[float] = 
 
     Returns ``suite cases suite_cases status phases{phase: {ops ops_per_case max_per_case max_case top[[op n]]}}
     sites{phase: [[site n]]} rows[{case outcome ops{phase: n}}]``; stops (``status`` "partial") at ``deadline``."""
+    from bench.harness import spread_cases
     from cases.suites import load_suite
     from parity import impls
     from parity.engine import RunOptions
 
     suite = load_suite(s.harness_suite)
-    chosen = _spread(suite, s.harness_limit)
+    chosen = spread_cases(suite, s.harness_limit)
     options = RunOptions(impl="fused", against="reference", provider=s.provider_for("fused"), device=s.device)
     fused, reference = impls.load("fused"), impls.load("reference")
     per_phase: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
