@@ -32,12 +32,12 @@ worker), ``unsupported`` (the implementation declined the case: ``cases.vocabula
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import shlex
 import sys
 import time
 import traceback
-import contextvars
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator, Optional
 
