@@ -62,13 +62,43 @@ def fetch(values: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(values, stacked.tolist()))
 
 
-class _Pair:
-    """``a`` vs ``r`` with their elementwise intermediates and maxima made once (``d = a - r``, ``|d|``, ``|r|``,
-    ``max|d|``, ``max|r|``): the reductions of a metric set share them, each the very tensor the single metric
-    computes."""
+class _Truth:
+    """The reference ``r``'s own intermediates, made once and shared by every pair compared with it (the
+    implementation's and the noise run's): ``|r|``, ``max|r|``, ``r²``, ``Σr²``, ``‖r‖`` — each the very tensor the
+    single metric computes, so sharing it changes no value."""
 
-    def __init__(self, a: torch.Tensor, r: torch.Tensor):
+    def __init__(self, r: torch.Tensor):
+        self.r = r
+
+    @functools.cached_property
+    def abs(self) -> torch.Tensor:
+        return self.r.abs()
+
+    @functools.cached_property
+    def abs_max(self) -> torch.Tensor:
+        return self.abs.max()
+
+    @functools.cached_property
+    def square(self) -> torch.Tensor:
+        return self.r.pow(2)
+
+    @functools.cached_property
+    def square_sum(self) -> torch.Tensor:
+        return self.square.sum()
+
+    @functools.cached_property
+    def norm(self) -> torch.Tensor:
+        return torch.linalg.vector_norm(self.r)
+
+
+class _Pair:
+    """``a`` vs ``r`` with their elementwise intermediates and maxima made once (``d = a - r``, ``|d|``, ``max|d|``;
+    ``r``'s own in ``truth``, which pairs against the same ``r`` share): the reductions of a metric set share them,
+    each the very tensor the single metric computes."""
+
+    def __init__(self, a: torch.Tensor, r: torch.Tensor, truth: Optional[_Truth] = None):
         self.a, self.r = a, r
+        self.truth = truth if truth is not None else _Truth(r)
 
     @functools.cached_property
     def d(self) -> torch.Tensor:
@@ -78,17 +108,17 @@ class _Pair:
     def ad(self) -> torch.Tensor:
         return self.d.abs()
 
-    @functools.cached_property
+    @property
     def ar(self) -> torch.Tensor:
-        return self.r.abs()
+        return self.truth.abs
 
     @functools.cached_property
     def ad_max(self) -> torch.Tensor:
         return self.ad.max()
 
-    @functools.cached_property
+    @property
     def ar_max(self) -> torch.Tensor:
-        return self.ar.max()
+        return self.truth.abs_max
 
 
 def _reductions(x: _Pair, *names: str) -> dict[str, torch.Tensor]:
@@ -114,11 +144,11 @@ def _reductions(x: _Pair, *names: str) -> dict[str, torch.Tensor]:
         elif name == "norm_a":
             out[name] = torch.linalg.vector_norm(a)
         elif name == "norm_r":
-            out[name] = torch.linalg.vector_norm(r)
+            out[name] = x.truth.norm
         elif name == "dot":
             out[name] = (a * r).sum()
         elif name == "squares":
-            out[name] = a.pow(2).sum() + r.pow(2).sum()
+            out[name] = a.pow(2).sum() + x.truth.square_sum
         else:
             raise KeyError(name)
     return out
@@ -294,16 +324,17 @@ def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: 
     """
     p = r if p is None else p
     if atol > 0:  # magnitudes below atol are underflow noise: an exactly-zero reference is matched by 1e-46
-        a, r, p = (torch.where(x.abs() <= atol, torch.zeros_like(x), x) for x in (a, r, p))
+        a, r, p = (torch.where(x.abs() <= atol, torch.zeros_like(x), x) for x in (a, r, p))  # keeps x's layout
     both = ("err_max", "rmse", "norm_a", "norm_r", "dot", "squares")
     device: dict[str, torch.Tensor] = dict(also or {})
     if a.numel():
-        mine, ref = _Pair(a, r), _Pair(p, r)
+        mine = _Pair(a, r)
+        ref = _Pair(p, r, mine.truth)  # the same r: its |r|, r², Σr², ‖r‖ made once
         device.update({f"a.{k}": v for k, v in _reductions(mine, *both, "ref_max", "rel_max", "norm_diff").items()})
         device.update({f"p.{k}": v for k, v in _reductions(ref, *both).items()})
         device.update({f"nf.{k}": v for k, v in _noise_floor_reductions(mine, ref, dtype, ulps, per_element,
                                                                         scalar_ulps, atol).items()})
-        device["rms_r"] = r.pow(2).mean().sqrt()
+        device["rms_r"] = mine.truth.square.mean().sqrt()
         # frac_outside's tolerance is the noise-floor unit: ref_error + floor + atol (nf.den, summed in that order)
         device["frac_outside"] = _frac_outside(mine, device["nf.den"])
         del mine, ref  # the intermediates

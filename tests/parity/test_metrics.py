@@ -89,3 +89,23 @@ def test_compute_reports_every_metric():
     assert 0.0 <= out["frac_outside"] <= 1.0
     rms_floor = 2 * 2 ** -7 * float(r.pow(2).mean().sqrt())
     assert out["rmse_ratio"] == pytest.approx(out["rmse"] / (out["ref_rmse"] + rms_floor))
+
+
+def test_the_references_own_reductions_are_made_once_per_compute():
+    """``compute`` pairs the implementation and the noise run with the same ``r``: ``‖r‖``, ``r²`` and ``Σr²`` are
+    made once (``metrics._Truth``), not once per pair — each a kernel launch on CUDA. Control: two pairs built
+    apart make ``‖r‖`` twice."""
+    from bench.ops import OpCounter
+
+    g = torch.Generator().manual_seed(1)
+    r = torch.randn(64, dtype=torch.float64, generator=g)
+    a, p = r + 1e-3 * torch.randn(64, dtype=torch.float64, generator=g), r + 1e-3 * torch.randn(64, generator=g,
+                                                                                               dtype=torch.float64)
+    with OpCounter() as shared:
+        metrics.compute(a, r, p, torch.bfloat16, 2.0)
+    assert shared.ops["linalg_vector_norm"] == 4             # ‖a-r‖, ‖a‖, ‖p‖, ‖r‖
+    assert shared.ops["pow"] == 5                            # (a-r)², a², (p-r)², p², and r² once (both Σr², rms)
+    with OpCounter() as apart:
+        metrics._reductions(metrics._Pair(a, r), "norm_r")
+        metrics._reductions(metrics._Pair(p, r), "norm_r")
+    assert apart.ops["linalg_vector_norm"] == 2
