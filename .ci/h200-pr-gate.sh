@@ -6,6 +6,7 @@
 #   .mg/megatron-lm-dev-d48bd6be0a.tar.gz   head (the pinned snapshot)
 #   .mg/m608545cfc6.tar.gz, .mg/m12d3cc03e3.tar.gz   `git archive` of megatron/core + LICENSE at the history bundle's
 #       commit whose Upstream-Commit is that revision, with its .dsv4-parity-revision.json
+#   (all three made by `bash .ci/stage-megatron-revisions.sh`)
 # Stages (in order; each one gate directory /tmp/pr-<stage>, resumed when a call ran out of time):
 #   head    no unfused baseline exists yet: the unfused path is run ungated and, complete, recorded as
 #           h200/megatron-unfused-gate; the fused path is gated against h200/megatron-cudnn-gate
