@@ -19,7 +19,8 @@ the fused path against the reference, ``--provider``), and counts every ATen op 
   an op of a built-in autograd node's backward has no such frame: it is ``(backward of <the repository frame that
   called backward>)``.
 
-Reported per phase: ops summed over the cases, ops per case (mean and max, with the case), and the most frequent ops.
+Reported per phase: ops summed over the cases, ops per case (mean and max, with the case), the most frequent ops, and
+the host reads per case (:class:`HostReads`: each a wait for the GPU on CUDA).
 Counting slows the run (a Python call per op), so the phases' seconds here are not the harness section's.
 """
 
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: ATen ops that only make views or change metadata: no kernel runs (not counted)
@@ -88,23 +90,63 @@ class OpCounter(TorchDispatchMode):
         return sum(self.ops.values())
 
 
+_READS = {"__float__", "__int__", "__bool__", "__index__", "item", "tolist", "numpy", "cpu", "equal", "nonzero",
+          "masked_select", "allclose"}
+
+
+def _to_host(args, kwargs) -> bool:
+    """A ``.to`` that names the host as a string (``"cpu"``, ``device="cpu"``): the harness's transfers to the host.
+    A ``torch.device`` target is another tensor's device (``x.to(y.device)``), which on a CPU run is the host
+    without being a host read on CUDA: not counted."""
+    targets = list(args[1:]) + [kwargs.get("device")]
+    return any(isinstance(t, str) and torch.device(t).type == "cpu" for t in targets if t is not None)
+
+
+class HostReads(TorchFunctionMode):
+    """The host reads a piece of code makes, counted on any device (on CUDA each one waits for the GPU):
+    ``float()`` / ``int()`` / ``bool()`` / ``.item()`` / ``.tolist()`` / ``.numpy()`` of a tensor, ``.cpu()`` and
+    ``.to("cpu")`` (:func:`_to_host`), ``torch.equal``, ``nonzero`` / ``masked_select`` and boolean-mask indexing
+    (their output size is only known on the host). ``with HostReads() as reads: ...``; ``reads.total`` and ``reads.by_op`` afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: collections.Counter = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _READS or (name == "to" and _to_host(args, kwargs)) or (
+                name == "__getitem__" and len(args) > 1 and isinstance(args[1], torch.Tensor)
+                and args[1].dtype == torch.bool):
+            self.by_op[name] += 1
+        return func(*args, **kwargs)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+
 class PhaseCounts:
-    """The observer :func:`parity.engine.observing_phases` takes: one :class:`OpCounter` per phase entry, summed
-    into ``per_phase`` (phase -> op counter) and ``sites`` (phase -> site counter) of the current case."""
+    """The observer :func:`parity.engine.observing_phases` takes: one :class:`OpCounter` and one :class:`HostReads`
+    per phase entry, summed into ``per_phase`` (phase -> op counter), ``sites`` (phase -> site counter) and ``reads``
+    (phase -> host reads) of the current case."""
 
     def __init__(self):
         self.per_phase: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.sites: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.reads: collections.Counter = collections.Counter()
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         counter = OpCounter(sites=phase in SITE_PHASES, site_root=SITE_PHASES.get(phase, ""))
+        reads = HostReads()
         try:
-            with counter:
+            with reads, counter:
                 yield
         finally:
             self.per_phase[phase].update(counter.ops)
             self.sites[phase].update(counter.sites)
+            self.reads[phase] += reads.total
 
 
 def count_case(case, options, fused=None, reference=None) -> tuple[Any, PhaseCounts]:
@@ -122,8 +164,9 @@ def count_case(case, options, fused=None, reference=None) -> tuple[Any, PhaseCou
 def ops_section(s: Any, log: Callable[[str], None], deadline: Optional[float] = None) -> dict:
     """The ``ops`` section: ``s.harness_suite`` (``s.harness_limit`` cases spread over it), each case's ops per phase.
 
-    Returns ``suite cases suite_cases status phases{phase: {ops ops_per_case max_per_case max_case top[[op n]]}}
-    sites{phase: [[site n]]} rows[{case outcome ops{phase: n}}]``; stops (``status`` "partial") at ``deadline``."""
+    Returns ``suite cases suite_cases status phases{phase: {ops ops_per_case max_per_case max_case
+    host_reads_per_case top[[op n]]}} sites{phase: [[site n]]} rows[{case outcome ops{phase: n} host_reads{phase:
+    n}}]``; stops (``status`` "partial") at ``deadline``."""
     from bench.harness import spread_cases
     from cases.suites import load_suite
     from parity import impls
@@ -146,15 +189,17 @@ def ops_section(s: Any, log: Callable[[str], None], deadline: Optional[float] = 
         for phase, where in counts.sites.items():
             sites[phase].update(where)
         rows.append({"case": case.id, "outcome": result.outcome,
-                     "ops": {phase: sum(ops.values()) for phase, ops in counts.per_phase.items()}})
+                     "ops": {phase: sum(ops.values()) for phase, ops in counts.per_phase.items()},
+                     "host_reads": dict(counts.reads)})
     if not rows:
         return {"suite": s.harness_suite, "status": "skipped", "message": "time budget", "cases": 0}
     phases = {}
     for phase, ops in per_phase.items():
         totals = [(r["ops"].get(phase, 0), r["case"]) for r in rows]
         most, most_case = max(totals)
+        reads = sum(r["host_reads"].get(phase, 0) for r in rows)
         phases[phase] = {"ops": sum(ops.values()), "ops_per_case": sum(ops.values()) / len(rows),
-                         "max_per_case": most, "max_case": most_case,
+                         "max_per_case": most, "max_case": most_case, "host_reads_per_case": reads / len(rows),
                          "top": [[name, n] for name, n in ops.most_common(TOP)]}
     total = sum(p["ops"] for p in phases.values())
     log(f"ops {s.harness_suite}: {len(rows)} cases, {total / len(rows):.0f} ATen ops a case "

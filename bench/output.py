@@ -254,11 +254,11 @@ def _ops_tables(ops: Optional[dict], console) -> None:
     t = Table(title=f"ATen ops per case ({ops['cases']}/{ops['suite_cases']} {ops['suite']} cases, {ops['device']}"
                     f"{', cut by the budget' if ops['status'] == 'partial' else ''}): "
                     f"{ops['ops_per_case']:.0f} a case")
-    for col in ("phase", "per case", "max", "max case", "most frequent"):
-        t.add_column(col, justify="right" if col in ("per case", "max") else "left")
+    for col in ("phase", "per case", "max", "max case", "host reads", "most frequent"):
+        t.add_column(col, justify="right" if col in ("per case", "max", "host reads") else "left")
     for phase, p in sorted(ops["phases"].items(), key=lambda kv: -kv[1]["ops"]):
         t.add_row(phase, f"{p['ops_per_case']:.0f}", str(p["max_per_case"]), p["max_case"],
-                  ", ".join(f"{name} {n}" for name, n in p["top"][:4]))
+                  f"{p.get('host_reads_per_case', 0):.0f}", ", ".join(f"{name} {n}" for name, n in p["top"][:4]))
     console.print(t)
     for phase, where in ops.get("sites", {}).items():
         t = Table(title=f"{phase}: ops by site (the innermost frame of the phase's own code)")

@@ -120,6 +120,7 @@ def compressor(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], prefix:
     if hidden.dim() != 2:
         raise CaseError("hidden", f"THD hidden must be [T, Hd], got shape {tuple(hidden.shape)}")
     ratio, d = compressor_geometry(prefix, config)
+    packed_seq_params = thd.on_host(packed_seq_params)
     segments = thd.segments(packed_seq_params, hidden.shape[0])
     pieces = [compress_with_params(hidden[s.rows].unsqueeze(0), params, prefix, config, rotate=rotate)[0]
               for s in segments]

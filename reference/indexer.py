@@ -131,6 +131,7 @@ def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, t
     if packed_seq_params is None:
         return indexer_sequence(hidden, q_latent, params, config)
     T = hidden.shape[0]
+    packed_seq_params = thd.on_host(packed_seq_params)
     segs = thd.segments(packed_seq_params, T)
     width = max(packed_seq_params.max_seqlen_q, max((s.length for s in segs), default=0)) // INDEXER_RATIO
     segment_scores, segment_topk = [], []

@@ -44,6 +44,7 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
         want = "[T, Hd]" if packed else "[B, S, Hd]"
         raise CaseError("hidden", f"must be {want} with Hd={Hd}, got shape {tuple(hidden.shape)}")
     if packed:
+        packed_seq_params = thd.on_host(packed_seq_params)
         T = hidden.shape[0]
         segs = thd.segments(packed_seq_params, T)
         positions = thd.token_positions(segs, T, hidden.device)       # [T]

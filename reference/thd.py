@@ -9,6 +9,7 @@ places the rows back; compressed entries of segment ``b`` are ``L_b // r`` rows 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -36,6 +37,22 @@ def _host_list(value, field: str) -> list[int]:
             "must be a 1-D integer tensor with at least two entries")
     require(not value.is_floating_point(), field, f"must be an integer tensor, got {value.dtype}")
     return [int(v) for v in value.tolist()]
+
+
+def on_host(psp: PackedSeqParams) -> PackedSeqParams:
+    """``psp`` with its row offsets (``cu_seqlens_q``, ``cu_seqlens_q_padded``) on the host, read from the device in
+    one transfer; ``psp`` itself when they are there already. A packing's segments are host arithmetic: each public
+    THD function reads them from the host copy it is handed, so a layer's nested calls wait for the GPU once."""
+    names = [n for n in ("cu_seqlens_q", "cu_seqlens_q_padded")
+             if isinstance(getattr(psp, n), torch.Tensor) and getattr(psp, n).device.type != "cpu"]
+    if not names:
+        return psp
+    tensors = [getattr(psp, n) for n in names]
+    if len({(t.dtype, t.shape) for t in tensors}) == 1:
+        host = list(torch.stack(tensors).cpu().unbind(0))
+    else:  # malformed metadata: copied apart, for segments() to report
+        host = [t.cpu() for t in tensors]
+    return dataclasses.replace(psp, **dict(zip(names, host)))
 
 
 def segments(psp: PackedSeqParams, total_tokens: int) -> list[Segment]:

@@ -10,7 +10,7 @@ import json
 import torch
 
 from bench import output as bench_output
-from bench.ops import OpCounter, PhaseCounts, count_case
+from bench.ops import HostReads, OpCounter, PhaseCounts, count_case
 from cases.suites import load_suite
 from cli.main import main as cli_main
 from parity import engine
@@ -64,6 +64,7 @@ def test_every_phase_of_a_case_is_counted_only_while_observed():
     assert sum(counts.sites["compare"].values()) == sum(counts.per_phase["compare"].values())
     assert any(site.startswith("metrics.py:") for site in counts.sites["compare"])
     assert not counts.sites["impl"]                           # sites only for the reference and the comparison
+    assert counts.reads["compare"] > 0                        # the metrics' read-backs, each a wait on CUDA
     # control: a case run outside observing_phases reaches no observer
     seen = PhaseCounts()
     with engine.observing_phases(seen):
@@ -82,9 +83,21 @@ def test_the_section_reports_ops_per_phase_and_a_valid_schema(tmp_path):
     ops = report["ops"]
     assert ops["status"] == "ok" and ops["cases"] == 2 and len(ops["rows"]) == 2
     assert ops["phases"]["reference"]["ops"] == sum(r["ops"]["reference"] for r in ops["rows"])
+    assert ops["phases"]["compare"]["host_reads_per_case"] == sum(r["host_reads"]["compare"] for r in ops["rows"]) / 2
     assert ops["ops_per_case"] == sum(p["ops"] for p in ops["phases"].values()) / 2
     assert ops["sites"]["reference"]
     assert bench_output.check_schema(report) == []
     broken = copy.deepcopy(report)
     del broken["ops"]["phases"]
     assert any(p.startswith("ops") for p in bench_output.check_schema(broken))
+
+
+def test_host_reads_are_counted_and_device_work_is_not():
+    x = torch.randn(8)
+    with HostReads() as reads:
+        float(x.sum())
+        x[x > 0]
+        x.tolist()
+    with HostReads() as none:
+        (x * 2).exp().sum()                                   # control: stays where the tensor is
+    assert reads.total == 3 and none.total == 0

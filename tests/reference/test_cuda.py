@@ -69,3 +69,33 @@ def test_bfloat16_on_cuda_follows_the_precision_policy():
         b = attention_layer(ref.inputs["hidden"], ref.params, config, ref.packed_seq_params)
     assert a.out.dtype == torch.bfloat16 and a.lse.dtype == a.indexer_loss.dtype == torch.float32
     assert float((a.out.double().cpu() - b.out).abs().max()) <= 6e-2 * float(b.out.abs().max())
+
+
+@pytest.mark.parametrize("ratio", [0, 4])
+def test_thd_offsets_are_read_from_the_gpu_once_per_layer(ratio):
+    """``thd.on_host``: the layer reads the packing's row offsets from the GPU once and hands its nested THD calls a
+    host copy (each ``thd.segments`` of a device tensor would wait for the GPU). Same numbers as the run handed the
+    offsets on the device; control: the offsets are on the device to begin with."""
+    import dataclasses
+
+    from reference import thd
+
+    config = tiny_config(ratio)
+    case = case_of(config, thd_layout([6, 0, 131, 3], [8, 0, 136, 4], slack=2, capacity=None))
+    tensors = materialize(case, "cuda")
+    psp = tensors.packed_seq_params
+    assert psp.cu_seqlens_q.is_cuda                            # the control: offsets on the device
+    host = thd.on_host(psp)
+    assert host.cu_seqlens_q.device.type == "cpu" and torch.equal(host.cu_seqlens_q, psp.cu_seqlens_q.cpu())
+    assert thd.on_host(host) is host                          # already on the host: nothing to read
+    reads = []
+    original = thd._host_list
+    thd._host_list = lambda value, field: reads.append(value.device.type) or original(value, field)
+    try:
+        on_device = run_with_grads(attention_layer, case, tensors)
+    finally:
+        thd._host_list = original
+    assert reads and set(reads) == {"cpu"}                     # every segments() read a host copy
+    handed_host = run_with_grads(attention_layer, case, dataclasses.replace(tensors, packed_seq_params=host))
+    for key, value in on_device.items():
+        assert torch.equal(value, handed_host[key]), key

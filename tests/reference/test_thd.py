@@ -114,3 +114,18 @@ def test_single_segment_thd_equals_bshd_b1_bitwise_in_output():
     b = attention_layer(t.inputs["hidden"].unsqueeze(0), t.params, config)
     assert torch.equal(a.out, b.out[0]) and torch.equal(a.topk_indices, b.topk_indices[0])
     assert float(a.indexer_loss.detach()) == float(b.indexer_loss.detach())
+
+
+def test_on_host_hands_back_host_offsets_unchanged_and_reports_bad_ones_later():
+    """``thd.on_host`` on offsets already on the host is the same object (nothing to read); malformed offsets pass
+    through to :func:`thd.segments`, which names the field (control: a valid packing's segments are unchanged)."""
+    from cases.errors import CaseError
+    from cases.layout import PackedSeqParams
+    from reference import thd
+
+    psp = PackedSeqParams(torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32), 4)
+    assert thd.on_host(psp) is psp
+    assert thd.segments(thd.on_host(psp), 9) == thd.segments(psp, 9)
+    bad = PackedSeqParams(torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0.0, 4.0]), 4)
+    with pytest.raises(CaseError, match="cu_seqlens_q_padded"):
+        thd.segments(thd.on_host(bad), 9)
