@@ -320,8 +320,17 @@ def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: 
 
     Every reduction is made on the tensors' device and read back in ONE transfer (:func:`fetch`), with the values of
     the single metrics above (same float64 operations, same order). ``also``: further 0-d tensors of the caller (e.g.
-    NaN counts) that ride along that transfer; they come back as floats under their own keys.
+    NaN counts) that ride along that transfer; they come back as floats under their own keys. A caller judging many
+    tensors makes :func:`reductions` of each and reads them all in one transfer, then :func:`from_reductions`.
     """
+    device = reductions(a, r, p, dtype, ulps, per_element, scalar_ulps, atol, also)
+    return from_reductions(fetch(device), a.numel(), dtype, ulps, per_element, scale_floor, atol, also)
+
+
+def reductions(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: torch.dtype, ulps: float,
+               per_element: bool = False, scalar_ulps: float = 0.0, atol: float = 0.0,
+               also: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """The device side of :func:`compute`: its 0-d reductions (and ``also``), not yet read back."""
     p = r if p is None else p
     if atol > 0:  # magnitudes below atol are underflow noise: an exactly-zero reference is matched by 1e-46
         a, r, p = (torch.where(x.abs() <= atol, torch.zeros_like(x), x) for x in (a, r, p))  # keeps x's layout
@@ -338,8 +347,17 @@ def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: 
         # frac_outside's tolerance is the noise-floor unit: ref_error + floor + atol (nf.den, summed in that order)
         device["frac_outside"] = _frac_outside(mine, device["nf.den"])
         del mine, ref  # the intermediates
-    values = fetch(device)
-    if not a.numel():  # empty: every reduction is 0 (the single metrics' convention)
+    return device
+
+
+def from_reductions(values: dict[str, float], numel: int, dtype: torch.dtype, ulps: float,
+                    per_element: bool = False, scale_floor: float = 0.25, atol: float = 0.0,
+                    also: Optional[dict] = None) -> dict[str, float]:
+    """The host side of :func:`compute`: its metrics from the read-back ``values`` of :func:`reductions` for
+    tensors of ``numel`` elements (the same arguments)."""
+    values = dict(values)
+    both = ("err_max", "rmse", "norm_a", "norm_r", "dot", "squares")
+    if not numel:  # empty: every reduction is 0 (the single metrics' convention)
         names = [f"{w}.{k}" for w in "ap" for k in both] + ["a.ref_max", "a.rel_max", "a.norm_diff", "rms_r",
                                                              "frac_outside", "nf.den", "nf.err_max"]
         values.update(dict.fromkeys(names, 0.0))
@@ -347,7 +365,7 @@ def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: 
     ref = {k[2:]: v for k, v in values.items() if k.startswith("p.")}
     nf = {k[3:]: v for k, v in values.items() if k.startswith("nf.")}
     floor = ulps * eps(dtype) * mine["ref_max"]
-    nfr = _noise_floor_ratio(nf, per_element)[0] if a.numel() else 0.0
+    nfr = _noise_floor_ratio(nf, per_element)[0] if numel else 0.0
     out = {
         "max_abs": mine["err_max"],
         "max_rel": _max_rel(mine),

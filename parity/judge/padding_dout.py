@@ -23,7 +23,7 @@ import torch
 
 from cases.tensors import CaseTensors
 
-from parity.judge.snapshot import Snapshot, is_row_tensor, real_rows
+from parity.judge.snapshot import Snapshot, is_row_tensor, read_flags, real_rows
 
 TENSOR = "contract/padding_dout"
 
@@ -53,14 +53,14 @@ def compared(name: str, x: Optional[torch.Tensor], mask: torch.Tensor) -> Option
 
 def leaks(snapshot: Snapshot) -> list[tuple[str, int, float]]:
     """``(gradient, non-zero elements, max |value|)`` of each gradient of a padding-dO-only run that is not all 0."""
+    grads = {name: snapshot[name].detach() for name in snapshot.names
+             if name.startswith("grad/") and snapshot[name] is not None}
+    flags = read_flags({name: (g != 0).any() for name, g in grads.items()})  # NaN counts; one wait for the GPU
     out = []
-    for name in snapshot.names:
-        g = snapshot[name]
-        if not name.startswith("grad/") or g is None:
-            continue
-        nonzero = g.detach() != 0  # NaN counts
-        if bool(nonzero.any()):
-            out.append((name, int(nonzero.sum()), float(g.detach().double().abs().nan_to_num(float("inf")).max())))
+    for name, g in grads.items():
+        if flags[name]:
+            nonzero = g != 0
+            out.append((name, int(nonzero.sum()), float(g.double().abs().nan_to_num(float("inf")).max())))
     return out
 
 

@@ -108,16 +108,49 @@ def _binding(rows: list) -> tuple[str, float]:
     return best, usage
 
 
+@dataclass
+class NumericPending:
+    """One tensor's metrics made on its device and not yet read back (:func:`numeric_reductions`): what
+    :func:`judge_numeric_values` decides from once they are read (many tensors' in one transfer)."""
+
+    name: str
+    cls: str
+    device: dict
+    numel: int
+    dtype: torch.dtype
+    tol: Tolerance
+    per_element: bool
+    nan: object = 0
+    inf: object = 0
+
+
+def numeric_reductions(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: torch.dtype,
+                       tol: Tolerance, scalar_numel: int, nan=0, inf=0) -> NumericPending:
+    """The device side of :func:`judge_numeric` (same arguments): the metric reductions, the non-finite counts riding
+    along."""
+    per_element = r.numel() <= scalar_numel
+    counts = {k: v for k, v in (("nan", nan), ("inf", inf)) if isinstance(v, torch.Tensor)}
+    device = metrics.reductions(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
+                                atol=tol.atol, also=counts)
+    return NumericPending(name, cls, device, r.numel(), dtype, tol, per_element, nan, inf)
+
+
 def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: torch.dtype,
                   tol: Tolerance, scalar_numel: int, nan=0, inf=0) -> tuple[str, str, list]:
     """Rules 2-4 on restricted float64 tensors; returns ``(verdict, rule, metric rows, failure message)``.
     ``nan`` / ``inf``: the counts of non-finite elements of the implementation's tensor, ints or 0-d tensors (read
     back with the metrics, in their one transfer)."""
-    per_element = r.numel() <= scalar_numel
-    counts = {k: v for k, v in (("nan", nan), ("inf", inf)) if isinstance(v, torch.Tensor)}
-    values = metrics.compute(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
-                             scale_floor=tol.scale_floor, atol=tol.atol, also=counts)
-    nan, inf = int(values.get("nan", nan)), int(values.get("inf", inf))
+    pending = numeric_reductions(name, cls, a, r, p, dtype, tol, scalar_numel, nan, inf)
+    return judge_numeric_values(pending, metrics.fetch(pending.device))
+
+
+def judge_numeric_values(pending: NumericPending, read: dict) -> tuple[str, str, list, str]:
+    """:func:`judge_numeric`'s decision from the read-back values of ``pending.device`` (``read``)."""
+    name, tol, per_element = pending.name, pending.tol, pending.per_element
+    counts = {k for k, v in (("nan", pending.nan), ("inf", pending.inf)) if isinstance(v, torch.Tensor)}
+    values = metrics.from_reductions(read, pending.numel, pending.dtype, tol.ulps, per_element=per_element,
+                                     scale_floor=tol.scale_floor, atol=tol.atol, also=dict.fromkeys(counts))
+    nan, inf = int(values.get("nan", pending.nan)), int(values.get("inf", pending.inf))
     rows = []
     for metric in ("max_abs", "max_rel", "rmse", "rel_l2", "cosine", "tensor_sim", "frac_outside",
                    "noise_floor_ratio", "ref_error", "ulp_floor", "rmse_ratio", "ref_rmse", "scale_error",
@@ -136,7 +169,7 @@ def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torc
             rows.append(MetricRow(metric, value))
     rows.append(MetricRow("nan", float(nan), 0.0, nan == 0))
     rows.append(MetricRow("inf", float(inf), 0.0, inf == 0))
-    rows.append(MetricRow("numel", float(r.numel())))
+    rows.append(MetricRow("numel", float(pending.numel)))
     for rule in ("noise_floor", "similarity", "aggregate"):
         bad = [row for row in rows if row.metric in GATES and GATES[row.metric][0] == rule and row.passed is False]
         if bad:
@@ -186,6 +219,7 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
     every = _RealRows(torch.ones_like(mask)) if padding_grads else real
     precision = precision or case.dtype
     results, report = [], None
+    pending: list[tuple[int, NumericPending, dict, tuple]] = []  # (place in results, reductions, base, for where_worst)
     for name in dict.fromkeys(truth.names + impl.names):
         if name in impl.not_provided:
             continue
@@ -214,10 +248,17 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
         inf = torch.isinf(ar).sum()
         tol = policy.tolerance(cls, precision, provider)
         dtype = DTYPES[precision]  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
-        verdict, rule, rows, msg = judge_numeric(name, cls, ar, rr, pr, dtype, tol, policy.scalar_numel, nan, inf)
+        pending.append((len(results), numeric_reductions(name, cls, ar, rr, pr, dtype, tol, policy.scalar_numel,
+                                                         nan, inf), base, (a, r, row_set)))
+        results.append(None)  # decided below, once every tensor's metrics are read back
+        del ar, rr, pr
+    # every numeric tensor's metrics in one transfer: on CUDA one wait for the GPU per case, not one per tensor
+    read = metrics.fetch({f"{i}|{k}": v for i, (_, p, _, _) in enumerate(pending) for k, v in p.device.items()})
+    for i, (place, p, base, (a, r, row_set)) in enumerate(pending):
+        verdict, rule, rows, msg = judge_numeric_values(p, {k: read[f"{i}|{k}"] for k in p.device})
         if verdict == "fail":
-            msg += where_worst(case, name, a, r, row_set.mask if is_row_tensor(name) else None)
-        results.append(TensorResult(**base, verdict=verdict, rule=rule, message=msg, metrics=rows))
+            msg += where_worst(case, p.name, a, r, row_set.mask if is_row_tensor(p.name) else None)
+        results[place] = TensorResult(**base, verdict=verdict, rule=rule, message=msg, metrics=rows)
     return results, report
 
 

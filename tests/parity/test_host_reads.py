@@ -103,10 +103,10 @@ def test_compute_equals_the_single_metrics_bit_for_bit():
     assert metrics.compute(bumped, r, p, torch.bfloat16, 2.0)["max_abs"] != metrics.max_abs(a, r)
 
 
-def test_a_whole_case_compares_with_one_read_per_numeric_tensor(monkeypatch):
-    """Every numeric tensor of a THD case with an indexer: one read each, plus the once-per-case row ids and one
-    count of the causally valid scores per ``index_scores`` tensor (the top-k protocol runs on host copies and is
-    left out here)."""
+def test_a_whole_case_reads_every_numeric_tensors_metrics_in_one_transfer(monkeypatch):
+    """Every numeric tensor of a THD case with an indexer: their metrics in one read for the case, plus the
+    once-per-case row ids and one count of the causally valid scores per ``index_scores`` tensor (the top-k protocol
+    runs on host copies and is left out here). Control: the single-tensor ``judge_numeric`` reads once per tensor."""
     case = pick(layout="thd", loss="sparse")
     tensors, impl, truth, noise = snapshots(case, FUSED, REF, RunOptions())
     monkeypatch.setattr(verdict, "_judge_topk", lambda *args: None)
@@ -116,10 +116,20 @@ def test_a_whole_case_compares_with_one_read_per_numeric_tensor(monkeypatch):
                                             policy_provider(impl.record, "torch"))
     numeric = [t for t in out if t.metrics]
     scores = [t for t in numeric if role(t.name) == "index_scores"]
-    assert len(numeric) >= 15 and scores
+    assert len(numeric) >= 15 and scores and None not in out
     per_case = 3  # the mask to the host, its row ids, their move to the tensors' device
-    assert reads.total <= len(numeric) + len(scores) + per_case, dict(reads.by_op)
-    assert reads.by_op["tolist"] == len(numeric)
+    assert reads.total <= 1 + len(scores) + per_case, dict(reads.by_op)
+    assert reads.by_op["tolist"] == 1
+    tol = policy.tolerance("out", "float64", "torch")
+    pairs = [(metrics_of(impl[n]), metrics_of(truth[n])) for n in ("out", "lse")]
+    with HostReads() as apart:
+        for a, r in pairs:
+            verdict.judge_numeric("x", "out", a, r, r, torch.float64, tol, policy.scalar_numel)
+    assert apart.by_op["tolist"] == len(pairs)
+
+
+def metrics_of(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().double().reshape(-1)
 
 
 def test_snapshot_mutation_check_reads_once_with_torch_equal_semantics():
@@ -204,3 +214,18 @@ def test_structure_check_copies_only_the_selection_to_the_host(monkeypatch):
     problems = structure.check(case, tensors, type(impl)(broken, impl.mutated, impl.record, impl.not_provided),
                                noise, truth)
     assert "grad/core_attention.attn_sink" in copied and "NaN" in problems["grad/core_attention.attn_sink"][0]
+
+
+def test_padding_contract_reads_all_gradients_flags_at_once():
+    """``padding_dout.leaks`` screens every gradient of a padding-dO-only run with one read; only a leaking one is
+    measured further (control: a leaking gradient is found and measured)."""
+    from parity.judge.padding_dout import leaks
+    from parity.judge.snapshot import Snapshot
+
+    clean = Snapshot({f"grad/p{i}": torch.zeros(4, 3) for i in range(6)} | {"out": torch.ones(2)})
+    with HostReads() as reads:
+        assert leaks(clean) == []
+    assert reads.total == 1
+    leaky = Snapshot({**clean.tensors, "grad/p2": torch.tensor([[0.0, -3.0], [float("nan"), 0.0]])})
+    found = leaks(leaky)
+    assert [(name, n) for name, n, _ in found] == [("grad/p2", 2)] and found[0][2] == float("inf")
