@@ -66,11 +66,13 @@ unpack() {  # stage, gate dir: a gate an earlier call packed on this card (.mg/p
   restore  # the baselines it recorded (pr-baselines beside the gate directory)
 }
 restore
-for stage in "${@:-head 608 12d}"; do
+[ $# -gt 0 ] || set -- head 608 12d
+for stage in "$@"; do
   if [ "$stage" = probe ]; then
+    [ "$(left)" -gt 60 ] || { note "probe: not started ($(left) s left in this call)"; break; }
     DSV4_MEGATRON="$(tree head head)" timeout -k 10 "$(left)" python3 .ci/probes/gather_backward.py e0e0647850c7 \
       > "$out/probe-gather-backward.txt" 2>&1
-    note "probe (e0e0647850c7, head, unfused): exit $?; $(grep -c 'GatherBackward0' "$out/probe-gather-backward.txt") KV gathers listed, $(grep -m1 'install:' "$out/probe-gather-backward.txt")"
+    note "probe (e0e0647850c7, head, unfused): exit $?; $(grep -c '^  GatherBackward0:' "$out/probe-gather-backward.txt") KV gathers listed, $(grep -m1 'install:' "$out/probe-gather-backward.txt")"
     continue
   fi
   dir="/tmp/pr-$stage-$paths"

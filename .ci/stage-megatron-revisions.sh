@@ -13,7 +13,13 @@ hist="${HIST:-/tmp/dsv4-history}"
 mkdir -p .mg
 snapshot=$(ls ../shared/megatron/megatron-lm-dev-*.tar.gz 2>/dev/null | head -1 || true)
 [ -n "$snapshot" ] && [ ! -f ".mg/$(basename "$snapshot")" ] && cp "$snapshot" .mg/
-[ -d "$hist" ] || git clone -q "$bundle" "$hist"
+if [ -d "$hist" ]; then  # an earlier clone: brought up to the bundle's branches
+  git -C "$hist" fetch -q "$(cd "$(dirname "$bundle")" && pwd)/$(basename "$bundle")" '+refs/heads/*:refs/remotes/origin/*'
+else
+  git clone -q "$bundle" "$hist"
+fi
+work=""
+trap '[ -z "$work" ] || rm -rf "$work"' EXIT
 for upstream in "${@:-608545cfc6 12d3cc03e3}"; do
   for want in $upstream; do
     commit=$(git -C "$hist" log --all --format='%H %(trailers:key=Upstream-Commit,valueonly,separator=)' |
@@ -24,7 +30,7 @@ for upstream in "${@:-608545cfc6 12d3cc03e3}"; do
     git -C "$hist" archive --prefix="m$want/" "$commit" megatron/core LICENSE | tar x -C "$work"
     printf '{"revision": "%s", "upstream": "%s"}\n' "$commit" "$full" > "$work/m$want/.dsv4-parity-revision.json"
     tar czf ".mg/m$want.tar.gz" -C "$work" "m$want"
-    rm -rf "$work"
+    rm -rf "$work"; work=""
     echo "staged .mg/m$want.tar.gz: bundle commit ${commit:0:10}, upstream $full ($(du -k ".mg/m$want.tar.gz" | cut -f1) KiB)"
   done
 done

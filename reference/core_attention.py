@@ -100,10 +100,11 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
     ``topk_indices`` and ``index_scores``. ``topk_indices`` given: the attention and the sparse loss use these ids.
     """
     packed = packed_seq_params is not None
+    if packed:
+        packed_seq_params = thd.on_host(packed_seq_params)  # before the checks, which read the offsets too
     _check_inputs(query, kv, hidden, q_latent, config, packed_seq_params, topk_indices)
     if packed:
-        return _core_thd(query, kv, hidden, q_latent, params, config, thd.on_host(packed_seq_params), training,
-                         topk_indices)
+        return _core_thd(query, kv, hidden, q_latent, params, config, packed_seq_params, training, topk_indices)
     compressed = index_keys = None
     if config.has_compressor:
         compressed = compress_with_params(hidden, params, ATTENTION_PREFIX, config, rotate=False)

@@ -53,19 +53,25 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # ---- one host transfer ---------------------------------------------------------------------------------------------
 def fetch(values: dict[str, torch.Tensor]) -> dict[str, float]:
-    """``{name: float(value)}`` of 0-d tensors (one device) in ONE host transfer: on CUDA every ``float(t)`` is a
+    """``{name: float(value)}`` of 0-d tensors in ONE host transfer per device: on CUDA every ``float(t)`` is a
     device sync, so the metrics of a tensor are reduced on its device first and read back together. float64 holds
     every value exactly (counts up to 2**53 included)."""
     if not values:
         return {}
-    stacked = torch.stack([v.detach().reshape(()).to(torch.float64) for v in values.values()])
-    return dict(zip(values, stacked.tolist()))
+    per_device: dict[torch.device, list[str]] = {}
+    for name, value in values.items():
+        per_device.setdefault(value.device, []).append(name)
+    read: dict[str, float] = {}
+    for names in per_device.values():  # one transfer per device (one in a run: its tensors share a device)
+        stacked = torch.stack([values[n].detach().reshape(()).to(torch.float64) for n in names])
+        read.update(zip(names, stacked.tolist()))
+    return {name: read[name] for name in values}
 
 
 class _Truth:
     """The reference ``r``'s own intermediates, made once and shared by every pair compared with it (the
-    implementation's and the noise run's): ``|r|``, ``max|r|``, ``r²``, ``Σr²``, ``‖r‖`` — each the very tensor the
-    single metric computes, so sharing it changes no value."""
+    implementation's and the noise run's): ``|r|``, ``max|r|``, ``Σr²`` and ``mean(r²)`` (of one ``r²``), ``‖r‖`` —
+    each the very tensor the single metric computes, so sharing it changes no value."""
 
     def __init__(self, r: torch.Tensor):
         self.r = r
@@ -79,12 +85,17 @@ class _Truth:
         return self.abs.max()
 
     @functools.cached_property
-    def square(self) -> torch.Tensor:
-        return self.r.pow(2)
+    def _square_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        square = self.r.pow(2)  # not kept: only its sum and mean are (a tensor of r's size less held by a compare)
+        return square.sum(), square.mean()
 
-    @functools.cached_property
+    @property
     def square_sum(self) -> torch.Tensor:
-        return self.square.sum()
+        return self._square_stats[0]
+
+    @property
+    def square_mean(self) -> torch.Tensor:
+        return self._square_stats[1]
 
     @functools.cached_property
     def norm(self) -> torch.Tensor:
@@ -343,7 +354,7 @@ def reductions(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtyp
         device.update({f"p.{k}": v for k, v in _reductions(ref, *both).items()})
         device.update({f"nf.{k}": v for k, v in _noise_floor_reductions(mine, ref, dtype, ulps, per_element,
                                                                         scalar_ulps, atol).items()})
-        device["rms_r"] = mine.truth.square.mean().sqrt()
+        device["rms_r"] = mine.truth.square_mean.sqrt()
         # frac_outside's tolerance is the noise-floor unit: ref_error + floor + atol (nf.den, summed in that order)
         device["frac_outside"] = _frac_outside(mine, device["nf.den"])
         del mine, ref  # the intermediates

@@ -116,7 +116,8 @@ class NumericPending:
     name: str
     cls: str
     device: dict
-    numel: int
+    numel: int          # the reference's elements (the metric row ``numel``)
+    computed: int       # the implementation's: its reductions were made only when it has elements
     dtype: torch.dtype
     tol: Tolerance
     per_element: bool
@@ -132,7 +133,7 @@ def numeric_reductions(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p:
     counts = {k: v for k, v in (("nan", nan), ("inf", inf)) if isinstance(v, torch.Tensor)}
     device = metrics.reductions(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
                                 atol=tol.atol, also=counts)
-    return NumericPending(name, cls, device, r.numel(), dtype, tol, per_element, nan, inf)
+    return NumericPending(name, cls, device, r.numel(), a.numel(), dtype, tol, per_element, nan, inf)
 
 
 def judge_numeric(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: torch.dtype,
@@ -148,7 +149,7 @@ def judge_numeric_values(pending: NumericPending, read: dict) -> tuple[str, str,
     """:func:`judge_numeric`'s decision from the read-back values of ``pending.device`` (``read``)."""
     name, tol, per_element = pending.name, pending.tol, pending.per_element
     counts = {k for k, v in (("nan", pending.nan), ("inf", pending.inf)) if isinstance(v, torch.Tensor)}
-    values = metrics.from_reductions(read, pending.numel, pending.dtype, tol.ulps, per_element=per_element,
+    values = metrics.from_reductions(read, pending.computed, pending.dtype, tol.ulps, per_element=per_element,
                                      scale_floor=tol.scale_floor, atol=tol.atol, also=dict.fromkeys(counts))
     nan, inf = int(values.get("nan", pending.nan)), int(values.get("inf", pending.inf))
     rows = []

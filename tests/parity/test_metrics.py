@@ -109,3 +109,19 @@ def test_the_references_own_reductions_are_made_once_per_compute():
         metrics._reductions(metrics._Pair(a, r), "norm_r")
         metrics._reductions(metrics._Pair(p, r), "norm_r")
     assert apart.ops["linalg_vector_norm"] == 2
+
+
+def test_an_empty_implementation_tensor_against_a_full_reference_is_judged_not_raised():
+    """The reductions are made only where the implementation's tensor has elements; its decision then reads them as
+    0 (the single metrics' convention), whatever the reference's size (control: the same call with elements)."""
+    from parity import policy as policy_mod
+    from parity.judge import verdict
+
+    policy = policy_mod.default()
+    tol = policy.tolerance("out", "float64", "torch")
+    r = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    empty = verdict.judge_numeric("x", "out", torch.zeros(0, dtype=torch.float64), r, r, torch.float64, tol,
+                                  policy.scalar_numel)
+    full = verdict.judge_numeric("x", "out", r.clone(), r, r, torch.float64, tol, policy.scalar_numel)
+    assert empty[0] in ("pass", "fail") and full[0] == "pass"
+    assert [row.value for row in empty[2] if row.metric == "numel"] == [8.0]

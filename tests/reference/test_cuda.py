@@ -99,3 +99,19 @@ def test_thd_offsets_are_read_from_the_gpu_once_per_layer(ratio):
     handed_host = run_with_grads(attention_layer, case, dataclasses.replace(tensors, packed_seq_params=host))
     for key, value in on_device.items():
         assert torch.equal(value, handed_host[key]), key
+
+
+def test_malformed_device_offsets_are_still_named_after_on_host():
+    """``thd.on_host`` copies offsets of different shapes or dtypes apart, so ``thd.segments`` still names the bad
+    field (control: valid device offsets come back stacked and equal)."""
+    from cases.errors import CaseError
+    from cases.layout import PackedSeqParams
+    from reference import thd
+
+    good = PackedSeqParams(torch.tensor([0, 3, 7], dtype=torch.int32, device="cuda"),
+                           torch.tensor([0, 4, 8], dtype=torch.int32, device="cuda"), 4)
+    assert thd.segments(thd.on_host(good), 9) == thd.segments(good, 9)
+    bad = PackedSeqParams(torch.tensor([0, 3, 7], dtype=torch.int32, device="cuda"),
+                          torch.tensor([0.0, 4.0], device="cuda"), 4)
+    with pytest.raises(CaseError, match="cu_seqlens_q_padded"):
+        thd.segments(thd.on_host(bad), 9)
