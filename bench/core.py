@@ -282,8 +282,8 @@ def empty_report(settings: Settings, argv: Sequence[str]) -> dict:
     * ``startup``: ``repeats rows[{command argv runs median_s min_s ratio exit_code torch_loaded}]``, ``ratio`` = the
       command's median wall time / ``python -c pass``'s (:mod:`bench.startup`);
     * ``ops`` (when run): ``suite status cases suite_cases device torch ops_per_case phases{phase: {ops ops_per_case
-      max_per_case max_case top[[op n]]}} sites{phase: [[site n]]} rows[{case outcome ops{phase: n}}]``
-      (:mod:`bench.ops`);
+      max_per_case max_case host_reads_per_case top[[op n]]}} sites{phase: [[site n]]} rows[{case outcome ops{phase:
+      n} host_reads{phase: n}}]`` (:mod:`bench.ops`);
     * ``targets``: ``name target measured unit status note``; ``findings``: ``kind function where message``;
       ``skipped``: ``what why``.
     """

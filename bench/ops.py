@@ -149,15 +149,16 @@ class PhaseCounts:
             self.reads[phase] += reads.total
 
 
-def count_case(case, options, fused=None, reference=None) -> tuple[Any, PhaseCounts]:
-    """``(result, counts)`` of one case run through the engine with every phase's ops counted."""
+def count_case(case, options, impl=None, against=None) -> tuple[Any, PhaseCounts]:
+    """``(result, counts)`` of one case run through the engine with every phase's ops counted (``impl`` /
+    ``against``: the loaded ``options.impl`` / ``options.against``, loaded here when not given)."""
     from parity import engine, impls
 
-    fused = fused or impls.load(options.impl)
-    reference = reference or impls.load(options.against)
+    impl = impl or impls.load(options.impl)
+    against = against or impls.load(options.against)
     counts = PhaseCounts()
     with engine.observing_phases(counts):
-        result = engine.run_case(case, fused, reference, options)
+        result = engine.run_case(case, impl, against, options)
     return result, counts
 
 

@@ -317,6 +317,10 @@ def _frac_outside(x: _Pair, tolerance) -> torch.Tensor:
     return (x.ad > tolerance).double().mean()
 
 
+#: the reductions :func:`reductions` makes of both pairs (``a.*`` the implementation's, ``p.*`` the noise run's)
+_BOTH_PAIRS = ("err_max", "rmse", "norm_a", "norm_r", "dot", "squares")
+
+
 def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: torch.dtype, ulps: float,
             per_element: bool = False, scalar_ulps: float = 0.0, scale_floor: float = 0.25,
             atol: float = 0.0, also: Optional[dict] = None) -> dict[str, float]:
@@ -345,7 +349,7 @@ def reductions(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtyp
     p = r if p is None else p
     if atol > 0:  # magnitudes below atol are underflow noise: an exactly-zero reference is matched by 1e-46
         a, r, p = (torch.where(x.abs() <= atol, torch.zeros_like(x), x) for x in (a, r, p))  # keeps x's layout
-    both = ("err_max", "rmse", "norm_a", "norm_r", "dot", "squares")
+    both = _BOTH_PAIRS
     device: dict[str, torch.Tensor] = dict(also or {})
     if a.numel():
         mine = _Pair(a, r)
@@ -367,7 +371,7 @@ def from_reductions(values: dict[str, float], numel: int, dtype: torch.dtype, ul
     """The host side of :func:`compute`: its metrics from the read-back ``values`` of :func:`reductions` for
     tensors of ``numel`` elements (the same arguments)."""
     values = dict(values)
-    both = ("err_max", "rmse", "norm_a", "norm_r", "dot", "squares")
+    both = _BOTH_PAIRS
     if not numel:  # empty: every reduction is 0 (the single metrics' convention)
         names = [f"{w}.{k}" for w in "ap" for k in both] + ["a.ref_max", "a.rel_max", "a.norm_diff", "rms_r",
                                                              "frac_outside", "nf.den", "nf.err_max"]

@@ -27,6 +27,8 @@ from cases.case import Case
 from cases.outputs import AttentionOutput
 from cases.tensors import CaseTensors
 
+from parity.judge import metrics
+
 FORWARD_NAMES = ("out", "lse", "index_scores", "topk_indices", "indexer_loss")
 INPUT_ORDER = ("query", "kv", "hidden", "q_latent")
 
@@ -182,13 +184,7 @@ def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> 
 def read_flags(flags: dict[str, torch.Tensor]) -> dict[str, bool]:
     """``{name: bool}`` of 0-dim bool tensors, read back in one transfer per device (a ``bool()`` each would wait
     for the device once per flag)."""
-    per_device: dict[torch.device, list[str]] = {}
-    for name, flag in flags.items():
-        per_device.setdefault(flag.device, []).append(name)
-    out: dict[str, bool] = {}
-    for names in per_device.values():
-        out.update(zip(names, torch.stack([flags[n] for n in names]).tolist()))
-    return out
+    return {name: bool(value) for name, value in metrics.fetch(flags).items()}
 
 
 def on_host(tensors: dict[str, Optional[torch.Tensor]]) -> dict[str, Optional[torch.Tensor]]:

@@ -254,11 +254,11 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
         results.append(None)  # decided below, once every tensor's metrics are read back
         del ar, rr, pr
     # every numeric tensor's metrics in one transfer: on CUDA one wait for the GPU per case, not one per tensor
-    read = metrics.fetch({f"{i}|{k}": v for i, (_, p, _, _) in enumerate(pending) for k, v in p.device.items()})
-    for i, (place, p, base, (a, r, row_set)) in enumerate(pending):
-        verdict, rule, rows, msg = judge_numeric_values(p, {k: read[f"{i}|{k}"] for k in p.device})
+    read = metrics.fetch({f"{i}|{k}": v for i, (_, item, _, _) in enumerate(pending) for k, v in item.device.items()})
+    for i, (place, item, base, (a, r, row_set)) in enumerate(pending):
+        verdict, rule, rows, msg = judge_numeric_values(item, {k: read[f"{i}|{k}"] for k in item.device})
         if verdict == "fail":
-            msg += where_worst(case, p.name, a, r, row_set.mask if is_row_tensor(p.name) else None)
+            msg += where_worst(case, item.name, a, r, row_set.mask if is_row_tensor(item.name) else None)
         results[place] = TensorResult(**base, verdict=verdict, rule=rule, message=msg, metrics=rows)
     return results, report
 

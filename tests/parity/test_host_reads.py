@@ -1,7 +1,7 @@
 """The compare phase reads each compared tensor's metrics back in ONE host transfer (issue 22: on a GPU shared by
 4 worker processes every ``float(tensor)`` is a device sync; the old per-metric reads were ~35 per tensor).
 
-Counted on the CPU with :class:`tests.host_reads.HostReads`; the negative controls show the count catches a
+Counted on the CPU with :class:`bench.ops.HostReads`; the negative controls show the count catches a
 metric that reads twice, and the old per-metric pattern."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from parity.impls import policy_provider
 from parity.judge import metrics, verdict
 from parity.judge.snapshot import role
 from tests.parity.helpers import pick
-from tests.host_reads import HostReads
+from bench.ops import HostReads
 
 FUSED, REF = impls.load("fused"), impls.load("reference")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from reference import activation
-from tests.host_reads import HostReads
+from bench.ops import HostReads
 
 
 def _block(seed: int):
