@@ -99,3 +99,53 @@ def check_memory(cases, device: str, host: Optional[int] = None, gpu: Optional[i
             raise CaseError("case", f"{len(too_big)} case(s) cannot fit in {where} memory, e.g. {case.id}: at least "
                                     f"{need / 2**30:.1f} GiB ({what}) against {available / 2**30:.1f} GiB "
                                     "available; run them on a larger machine or leave them out (--case-id)")
+
+
+# ---- expected GPU peak of a case: the worker pool's memory admission ------------------------------------------------
+#: Production's unfused path (``--impl megatron --provider unfused``, ``csa.py`` ``unfused_compressed_sparse_attn``)
+#: gathers each query row's keys from ``kv.unsqueeze(0).expand(rows, n_kv, hn)``; autograd's gather backward builds
+#: the dense ``[rows, n_kv, hn]`` gradient of that view (:func:`unfused_gather_bytes`). Its peak as a multiple of that
+#: buffer, from the H100 gate of 2026-12-06 (``reports/baselines/h100/megatron-pr-gate-20261206``: torch's
+#: out-of-memory messages bound a case's need from below): 4.2–6.4 × at top-k 512 (8 cases of 3.4–4.1k rows ran
+#: out of memory alone on 79 GiB), under 4.0 × at top-k 128 / 256 (cases of the same buffer, 19.7 GiB, ran alone).
+UNFUSED_PEAK_PER_GATHER = {"topk_512_and_up": 6.5, "other": 4.0}
+
+
+def unfused_gather_bytes(case: Case) -> int:
+    """Bytes of the ``[rows, n_kv, hn]`` gradient production's unfused sparse attention builds in its backward:
+    ``rows`` the query rows of all sequences (BSHD ``B·S``, THD ``T``), ``n_kv`` the keys of all of them (the raw
+    rows plus the compressed ones: BSHD ``B·(S + S // r)``, THD ``T`` + the compressed capacity), ``hn`` the value
+    head dim, in the case dtype."""
+    import torch
+
+    c, lay = case.config, case.layout
+    r = c.compress_ratio
+    if isinstance(lay, ThdLayout):
+        rows = lay.total_tokens
+        compressed = (lay.compressed_capacity if lay.compressed_capacity is not None
+                      else sum(n // r for n in lay.padded_lengths)) if r > 1 else 0
+        keys = rows + compressed
+    else:
+        rows = lay.batch * lay.seq_len
+        keys = lay.batch * (lay.seq_len + (lay.seq_len // r if r > 1 else 0))
+    return rows * keys * c.v_head_dim * getattr(torch, case.dtype).itemsize
+
+
+def expected_gpu_bytes(case: Case, impl: str, provider: Optional[str]) -> int:
+    """The GPU memory a case is expected to hold at its peak under ``impl`` / ``provider``, for the worker pool's
+    memory admission (:class:`parity.run.worker.WorkerPool`); 0 where no model is known (the case is not held
+    back). Today: production's unfused path, :data:`UNFUSED_PEAK_PER_GATHER` × :func:`unfused_gather_bytes`
+    (``auto`` is the unfused path for ``megatron``). The fused paths and our own implementations weigh 0: six of
+    their cases share an H200 without running out of memory (the gates of 2026-12-04)."""
+    if impl != "megatron" or provider not in (None, "auto", "unfused"):
+        return 0
+    factor = UNFUSED_PEAK_PER_GATHER["topk_512_and_up" if case.config.dsa_indexer_topk >= 512 else "other"]
+    return int(factor * unfused_gather_bytes(case))
+
+
+def admission_capacity(total: Optional[int], workers_on_device: int) -> Optional[int]:
+    """The bytes a GPU of ``total`` bytes lends the jobs of its ``workers_on_device`` workers: its memory less
+    1 GiB per worker for each process's CUDA context and libraries (None where ``total`` is unknown)."""
+    if not total:
+        return None
+    return max(0, total - workers_on_device * (1 << 30))

@@ -41,7 +41,7 @@ from cases.errors import CaseError
 
 from parity import names
 from parity.engine import RunOptions
-from parity.run import results, shard
+from parity.run import memory, results, shard
 from parity.run.environment import environment
 from parity.run.execution import error_rows, execute, load_impl
 from parity.run.junit import write_junit
@@ -237,8 +237,9 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
                 progress.starting(case)
                 finished(case, execute(request(case)), slots[0])
         else:
-            pool = WorkerPool(slots[:max(1, min(workers, len(todo)))], timeout=config.timeout,
-                              fresh=(mode == "case"))
+            used = slots[:max(1, min(workers, len(todo)))]
+            pool = WorkerPool(used, timeout=config.timeout, fresh=(mode == "case"),
+                              **_memory_admission(config.options, device, used))
             jobs = ((c, request(c)) for c in within_budget(todo))
             for done in pool.run(jobs, on_start=lambda c, _: progress.starting(c)):
                 rows = done.rows if done.rows is not None else error_rows(done.key, config.options, done.why)
@@ -255,6 +256,10 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         progress.close()
         if pool is not None:
             pool.close()
+            if pool.weigh is not None:
+                print(f"memory admission: {pool.waited} case(s) waited for GPU memory (each GPU lends "
+                      f"{pool.capacity / 2**30:.1f} GiB to its workers; parity.run.memory.expected_gpu_bytes)",
+                      file=sys.stderr)
         if threads_before is not None:
             _set_threads(threads_before)
         if failure is not None:
@@ -288,6 +293,19 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     if fixed:
         counts = dict(counts, **{"fixed?": len(fixed)})
     return counts, code
+
+
+def _memory_admission(options: RunOptions, device: str, slots: Sequence[Slot]) -> dict:
+    """The worker pool's memory admission (``weigh``, ``capacity``) where several workers share a GPU and the run's
+    implementation has a memory model (:func:`parity.run.memory.expected_gpu_bytes`), else nothing (no job waits)."""
+    if device != "cuda":
+        return {}
+    per_device = max(sum(1 for s in slots if s.device == label) for label in {s.device for s in slots})
+    if per_device < 2:
+        return {}
+    provider = _run_provider(options)  # a case without a model weighs 0: it never waits
+    capacity = memory.admission_capacity(memory.device_total_bytes(), per_device)
+    return {"weigh": lambda case: memory.expected_gpu_bytes(case, options.impl, provider), "capacity": capacity}
 
 
 def _impl_info(name: str, provider: Optional[str] = None, cp: int = 1) -> dict:

@@ -96,6 +96,7 @@ class _Job:
     request: dict
     retried: Optional[str] = None
     device: Any = None  # the device label it ran out of memory on (a pending retry)
+    weight: int = 0  # its expected peak GPU bytes (memory admission; 0 without it)
 
 
 class Worker:
@@ -198,13 +199,27 @@ class Worker:
 
 
 class WorkerPool:
-    """Children for ``slots`` (see the module docstring); ``timeout`` seconds per case."""
+    """Children for ``slots`` (see the module docstring); ``timeout`` seconds per case.
+
+    **Memory admission** (``weigh`` and ``capacity``, both given): ``weigh(key)`` is a job's expected peak GPU
+    memory in bytes (:func:`parity.run.memory.expected_gpu_bytes`), ``capacity`` the bytes one device lends its
+    workers. A job starts on a device only if the weights of the jobs running there plus its own fit ``capacity``
+    — or nothing runs there (a job heavier than the device runs alone). A job that does not fit waits; the first
+    one waiting holds a *reservation*: other jobs start beside the running ones only where they fit together with
+    it, so small jobs fill the room left but never starve the large one (backfilling). The waiting jobs are taken
+    first, in order, as room frees. Jobs are still read from ``jobs`` lazily: at most one per worker is read ahead
+    into the waiting list, and a job read is run even if ``jobs`` stops afterwards (a time budget). Without
+    ``weigh`` nothing waits (every job weighs 0)."""
 
     def __init__(self, slots: Sequence = (None,), timeout: float = 1800.0, fresh: bool = False,
-                 command: Optional[Sequence[str]] = None):
+                 command: Optional[Sequence[str]] = None, weigh: Optional[Callable[[Any], int]] = None,
+                 capacity: Optional[int] = None):
         self.workers = [Worker(slot, command) for slot in slots]  # command: the child (tests use a fake)
         self.timeout = timeout
         self.fresh = fresh
+        self.weigh = weigh if (weigh is not None and capacity) else None
+        self.capacity = capacity
+        self.waited = 0  # jobs that waited for GPU memory before they started (memory admission)
         self._busy: dict[int, tuple[_Job, float, Any]] = {}  # worker index -> (job, deadline, registered pipe)
 
     @property
@@ -240,6 +255,34 @@ class WorkerPool:
         sharing = {label: labels.count(label) for label in labels}  # device label -> workers of the pool on it
         retries: list[_Job] = []  # jobs that ran out of memory on a shared device, to re-run alone on it (FIFO)
         alone: dict[Any, int] = {}  # device label -> the worker running a retry alone on it
+        waiting: list[_Job] = []  # jobs read from ``jobs`` that did not fit a device's memory yet (FIFO)
+
+        def held(device) -> int:
+            """The expected GPU bytes of the jobs running on ``device``."""
+            return sum(job.weight for j, (job, _, _) in busy.items() if labels[j] == device)
+
+        def fits(device, job: _Job, reserve: int) -> bool:
+            if not any(labels[j] == device for j in busy):
+                return reserve == 0  # an idle device takes any job, unless it is kept for a waiting one
+            return held(device) + reserve + job.weight <= self.capacity
+
+        def admitted(device) -> Optional[_Job]:
+            """The next job that fits ``device`` under memory admission (the class docstring), or None."""
+            reserve = 0
+            for job in list(waiting):
+                if fits(device, job, reserve):
+                    waiting.remove(job)
+                    return job
+                reserve = reserve or job.weight  # the first waiting job keeps its room
+            while queue and len(waiting) < len(self.workers):
+                key, request = queue.pop()
+                job = _Job(key, request, weight=max(0, int(self.weigh(key))))
+                if fits(device, job, reserve):
+                    return job
+                self.waited += 1
+                waiting.append(job)
+                reserve = reserve or job.weight
+            return None
 
         def release(i: int) -> _Job:
             job, _, pipe = busy.pop(i)
@@ -263,13 +306,15 @@ class WorkerPool:
                     if j != i and labels[j] == device and other.alive:
                         other.stop()  # an idle child still holds its CUDA context and cached blocks
                 return retry
+            if self.weigh is not None:
+                return admitted(device)
             if not queue:  # reads the next job from ``jobs`` (only now: a slot is idle)
                 return None
             key, request = queue.pop()
             return _Job(key, request)
 
         try:
-            while busy or retries or queue:  # busy first: the next job is read only when a slot is idle
+            while busy or retries or queue or waiting:  # busy first: the next job is read only when a slot is idle
                 for i, w in enumerate(self.workers):
                     if i in busy:
                         continue
@@ -305,7 +350,7 @@ class WorkerPool:
                     if rows and job.retried is None and sharing[device] > 1 and is_out_of_memory(rows[0]) \
                             and beyond is None:
                         note = f"out of memory while sharing {device} with {sharing[device]} workers; re-run alone"
-                        retries.append(_Job(job.key, job.request, note, device))
+                        retries.append(_Job(job.key, job.request, note, device, job.weight))
                         continue
                     if rows and job.retried is not None:
                         rows[0]["retried"] = job.retried

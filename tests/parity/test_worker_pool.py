@@ -363,3 +363,62 @@ def test_a_case_that_needs_more_than_the_whole_gpu_is_not_re_run_alone(tmp_path)
     assert least_need(OOM) == (int(5.92 * gib) + int(4.97 * gib), int(139.80 * gib)) and beyond_device(OOM) is None
     assert least_need(TORCH_OOM) == (0 + 32768 * gib, int(139.80 * gib)) and beyond_device(TORCH_OOM)
     assert least_need(CUDA_RUNTIME_OOM) is None and beyond_device("CUBLAS_STATUS_ALLOC_FAILED") is None
+
+
+# ---- memory admission: jobs wait for GPU memory instead of running out of it ----------------------------------------
+GIB = 1 << 30
+
+
+def running_weights(log, weights):
+    """The summed weight of the jobs running after each log event, with how many ran."""
+    running, out = set(), []
+    for event, key, *_ in log:
+        (running.add if event == "start" else running.discard)(key)
+        out.append((sum(weights[k] for k in running), len(running)))
+    return out
+
+
+def admission_jobs(tmp_path, weights, sleeps):
+    return oom_jobs(tmp_path, *[(k, "pass", sleeps[k]) for k in weights])
+
+
+def test_jobs_start_only_where_their_expected_memory_fits(tmp_path):
+    weights = {"b1": 8, "b2": 8, "b3": 7, **{f"s{i}": 1 for i in range(6)}}
+    sleeps = {k: (0.4 if k.startswith("b") else 0.1) for k in weights}
+    slots = plan_slots(3, "cuda", tokens=["0"], cpu_count=12)
+    pool = WorkerPool(slots, timeout=30, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+    done = run_list(pool, admission_jobs(tmp_path, weights, sleeps))
+    assert sorted(f.key for f in done) == sorted(weights)  # every job ran once
+    assert all(total <= 10 for total, n in running_weights(events(tmp_path), weights))
+    assert pool.waited > 0
+
+    # negative control: the same jobs with no admission run two large ones together
+    (tmp_path / "log").unlink()
+    run_list(WorkerPool(slots, timeout=30, command=CHILD), admission_jobs(tmp_path, weights, sleeps))
+    assert max(total for total, _ in running_weights(events(tmp_path), weights)) > 10
+
+
+def test_the_first_waiting_job_keeps_its_room_and_a_job_larger_than_the_gpu_runs_alone(tmp_path):
+    # b2 cannot start beside b1; the small ones would fit beside b1 but not beside b1 and b2's reservation, so
+    # they wait for b2 to start (no starving of the large job); huge (over the capacity) runs with nothing else
+    weights = {"b1": 8, "b2": 8, "s0": 1, "s1": 1, "s2": 1, "huge": 30, "s3": 1}
+    sleeps = {"b1": 0.4, "b2": 0.3, "huge": 0.3, "s0": 0.05, "s1": 0.05, "s2": 0.05, "s3": 0.05}
+    slots = plan_slots(3, "cuda", tokens=["0"], cpu_count=12)
+    pool = WorkerPool(slots, timeout=30, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+    done = run_list(pool, admission_jobs(tmp_path, weights, sleeps))
+    assert sorted(f.key for f in done) == sorted(weights)
+    log = events(tmp_path)
+    starts = [key for event, key, *_ in log if event == "start"]
+    assert starts[:2] == ["b1", "b2"]  # b2 went before the smaller jobs read after it
+    for total, n in running_weights(log, weights):
+        assert total <= 10 or n == 1  # over the capacity only alone
+    assert any(n == 2 for total, n in running_weights(log, weights))  # negative control: some jobs did share
+
+
+def test_without_weights_nothing_waits(tmp_path):
+    weights = {"b1": 8, "b2": 8}
+    pool = WorkerPool(plan_slots(2, "cuda", tokens=["0"], cpu_count=8), timeout=30, command=CHILD,
+                      weigh=lambda k: 0, capacity=10 * GIB)
+    run_list(pool, admission_jobs(tmp_path, weights, {"b1": 0.3, "b2": 0.3}))
+    assert pool.waited == 0
+    assert max(n for _, n in running_weights(events(tmp_path), weights)) == 2

@@ -1,0 +1,54 @@
+"""The expected GPU peak of a case (``parity.run.memory.expected_gpu_bytes``), which the worker pool's memory
+admission uses, against what torch reported on the H100 gate of 2026-12-06, and where the runner turns it on."""
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from cases.suites import load_suite
+from parity.engine import RunOptions
+from parity.run import memory, runner
+from parity.run.out_of_memory import least_need
+from parity.run.shard import plan_slots
+
+H100_RUN = Path(__file__).resolve().parents[2] / "reports/baselines/h100/megatron-pr-gate-20261206/cases.csv"
+
+
+def h100_unfused_rows():
+    with open(H100_RUN, newline="") as handle:
+        return [r for r in csv.DictReader(handle) if r["run"] == "head-unfused"]
+
+
+def test_the_unfused_model_covers_every_measured_need_and_fits_what_ran_alone():
+    cases = {c.id: c for c in load_suite("gate")}
+    needs = {r["case_id"]: least_need(r["message"]) for r in h100_unfused_rows()}
+    measured = {cid: need[0] for cid, need in needs.items() if need is not None}
+    assert len(measured) == 8  # the eight cases that ran out of memory alone on the 79 GiB card
+    for cid, need in measured.items():
+        assert memory.expected_gpu_bytes(cases[cid], "megatron", "unfused") >= need, cid
+    # negative control: the buffer alone (or 4 ×) is below what they needed
+    assert any(4 * memory.unfused_gather_bytes(cases[cid]) < need for cid, need in measured.items())
+    # and the model does not exceed the H200 (139.8 GiB) on any gate case: each can run there
+    assert max(memory.expected_gpu_bytes(c, "megatron", "unfused") for c in cases.values()) < 139 * 2**30
+
+
+@pytest.mark.parametrize("impl,provider", [("fused", "cudnn"), ("megatron", "cudnn"), ("megatron", "emulated"),
+                                           ("reference", None)])
+def test_paths_without_a_model_weigh_nothing(impl, provider):
+    case = load_suite("gate")[0]
+    assert memory.expected_gpu_bytes(case, impl, provider) == 0
+    assert memory.expected_gpu_bytes(case, "megatron", "unfused") > 0  # control
+
+
+def test_the_runner_admits_by_memory_only_on_a_shared_gpu(monkeypatch):
+    monkeypatch.setattr(memory, "device_total_bytes", lambda: 80 * 2**30)
+    monkeypatch.setattr(runner, "_run_provider", lambda options: options.provider)
+    options = RunOptions(impl="megatron", provider="unfused")
+    shared = plan_slots(4, "cuda", tokens=["0"], cpu_count=16)
+    admission = runner._memory_admission(options, "cuda", shared)
+    assert admission["capacity"] == 76 * 2**30  # 1 GiB per worker's CUDA context
+    case = load_suite("gate")[0]
+    assert admission["weigh"](case) == memory.expected_gpu_bytes(case, "megatron", "unfused")
+    assert runner._memory_admission(options, "cuda", plan_slots(2, "cuda", tokens=["0", "1"])) == {}  # a GPU each
+    assert runner._memory_admission(options, "cpu", plan_slots(2, "cpu")) == {}
