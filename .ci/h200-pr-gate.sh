@@ -82,6 +82,7 @@ for stage in "$@"; do
     head) rev=head  # a path whose baseline this arch lacks runs ungated and, complete, is recorded
       if [ "$paths" = auto ]; then
         baseline="unfused=$(have unfused && echo auto || echo none),cudnn=$(cudnn_base)"
+      elif [ "$paths" = cudnn ]; then baseline=$(cudnn_base)
       else baseline=$(have "$paths" && echo auto || echo none); fi ;;
     608|12d) [ "$stage" = 608 ] && rev=608545cfc6 || rev=12d3cc03e3
       case "$paths" in auto) baseline="unfused=auto,cudnn=$(cudnn_base)" ;; cudnn) baseline=$(cudnn_base) ;;
