@@ -6,6 +6,7 @@
 #             gradient bit-identical to autograd's index_put on CUDA, the reference on CUDA
 #   fused     bench --sections gate --gate-runs cold,warm: make parity's gate (fused, cudnn, --workers auto)
 #   production bench --sections gate --gate-impl megatron --gate-runs warm over the same kernel cache
+#   mps       the warm fused gate under an MPS server (after `fused`: its kernel cache), the workers' kernels concurrent
 #   ops       bench --sections ops over 24 gate cases on the GPU (fused, cudnn): ATen ops per case and phase, the
 #             reference's and the comparison's by site (compare with reports/baselines/cpu/bench/NOTE-ops-20261206.md)
 # Megatron (production): .mg/megatron-lm-dev-*.tar.gz (the pinned snapshot), carried as .mg.
@@ -40,6 +41,23 @@ g = json.load(open(sys.argv[1])).get("gate", {})
 for r in g.get("runs", []):
     print(f"  {r.get('run')}: {r.get('wall_s')} s, {r.get('outcomes')}, phases {r.get('phases_s')}, "
           f"wall/impl {r.get('wall_over_impl')}, target {r.get('target_s')} met {r.get('met')}")
+PY
+      ;;
+    mps)  # the warm fused gate again with the workers' kernels under one MPS server (processes share the GPU
+      # concurrently instead of time-slicing; the card's settings are untouched: a user daemon, stopped after)
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      if ! command -v nvidia-cuda-mps-control >/dev/null || ! nvidia-cuda-mps-control -d; then
+        note "mps: no MPS control daemon here"; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; continue; fi
+      python3 -m cli bench --sections gate --gate-impl fused --gate-runs warm --gate-cache-dir "$cache" \
+        --gate-dir /tmp/gate-mps --json "$out/bench-mps.json" --no-plot > "$out/bench-mps.log" 2>&1
+      note "mps warm gate bench: exit $? in $(( $(date +%s) - t0 )) s"
+      echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      tail -3 "$CUDA_MPS_LOG_DIRECTORY/control.log" 2>/dev/null >> "$out/summary.txt"
+      python3 - "$out/bench-mps.json" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+for r in json.load(open(sys.argv[1])).get("gate", {}).get("runs", []):
+    print(f"  mps {r.get('run')}: {r.get('wall_s')} s, {r.get('outcomes')}, phases {r.get('phases_s')}")
 PY
       ;;
     ops)
