@@ -53,7 +53,7 @@ PY
         --gate-dir /tmp/gate-mps --json "$out/bench-mps.json" --no-plot > "$out/bench-mps.log" 2>&1
       note "mps warm gate bench: exit $? in $(( $(date +%s) - t0 )) s"
       echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-      tail -3 "$CUDA_MPS_LOG_DIRECTORY/control.log" 2>/dev/null >> "$out/summary.txt"
+      tail -3 /tmp/mps-log/control.log 2>/dev/null >> "$out/summary.txt"
       python3 - "$out/bench-mps.json" <<'PY' | tee -a "$out/summary.txt"
 import json, sys
 for r in json.load(open(sys.argv[1])).get("gate", {}).get("runs", []):
