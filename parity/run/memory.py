@@ -106,9 +106,11 @@ def check_memory(cases, device: str, host: Optional[int] = None, gpu: Optional[i
 #: gathers each query row's keys from ``kv.unsqueeze(0).expand(rows, n_kv, hn)``; autograd's gather backward builds
 #: the dense ``[rows, n_kv, hn]`` gradient of that view (:func:`unfused_gather_bytes`). Its peak as a multiple of that
 #: buffer, from the H100 gate of 2026-12-06 (``reports/baselines/h100/megatron-pr-gate-20261206``: torch's
-#: out-of-memory messages bound a case's need from below): 4.2–6.4 × at top-k 512 (8 cases of 3.4–4.1k rows ran
-#: out of memory alone on 79 GiB), under 4.0 × at top-k 128 / 256 (cases of the same buffer, 19.7 GiB, ran alone).
-UNFUSED_PEAK_PER_GATHER = {"topk_512_and_up": 6.5, "other": 4.0}
+#: out-of-memory messages bound a case's need from below), by the compressed keys a row gathers
+#: (:func:`_compressed_keys_per_row`): 4.2–6.4 × where they are 512 or more (top-k 512, r = 4 dense mode: 8 cases of
+#: 3.4–4.1k rows ran out of memory alone on 79 GiB), under 4.0 × at top-k 128 / 256 (cases of the same buffer,
+#: 19.7 GiB, ran alone) and under 5.6 × at r = 0 / 128 (the largest that ran alone: 14–16 GiB of buffer), taken as 4.
+UNFUSED_PEAK_PER_GATHER = {"512_keys_and_up": 6.5, "other": 4.0}
 
 
 def unfused_gather_bytes(case: Case) -> int:
@@ -131,6 +133,15 @@ def unfused_gather_bytes(case: Case) -> int:
     return rows * keys * c.v_head_dim * getattr(torch, case.dtype).itemsize
 
 
+def _compressed_keys_per_row(case: Case) -> int:
+    """The compressed keys production's unfused attention gathers for a row at most: the top-k with an indexer,
+    every visible compressed key without one (dense mode, r = 128: the longest sequence's ``L // r``), none at r = 0."""
+    c = case.config
+    if c.has_indexer:
+        return c.dsa_indexer_topk
+    return case.layout.max_seqlen // c.compress_ratio if c.compress_ratio > 1 else 0
+
+
 def expected_gpu_bytes(case: Case, impl: str, provider: Optional[str]) -> int:
     """The GPU memory a case is expected to hold at its peak under ``impl`` / ``provider``, for the worker pool's
     memory admission (:class:`parity.run.worker.WorkerPool`); 0 where no model is known (the case is not held
@@ -139,7 +150,7 @@ def expected_gpu_bytes(case: Case, impl: str, provider: Optional[str]) -> int:
     their cases share an H200 without running out of memory (the gates of 2026-12-04)."""
     if impl != "megatron" or provider not in (None, "auto", "unfused"):
         return 0
-    factor = UNFUSED_PEAK_PER_GATHER["topk_512_and_up" if case.config.dsa_indexer_topk >= 512 else "other"]
+    factor = UNFUSED_PEAK_PER_GATHER["512_keys_and_up" if _compressed_keys_per_row(case) >= 512 else "other"]
     return int(factor * unfused_gather_bytes(case))
 
 
