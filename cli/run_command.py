@@ -124,6 +124,20 @@ def _closing_line(counts: dict, planned: int, code: int, out_dir: Path, oracle: 
     return f"incomplete, {finished} of {planned} cases: {tally}"
 
 
+def measured_peaks(suite: str, options) -> Optional[dict]:
+    """On a GPU: each case's peak GPU memory in the committed baseline of this path on this GPU
+    (``reports/baselines/<arch>/<name>/memory.csv``), for the worker pool's memory admission; None elsewhere."""
+    if options.torch_device() != "cuda":
+        return None
+    import torch  # noqa: PLC0415
+
+    from parity.run.runner import resolved_provider  # noqa: PLC0415
+    from reports.baselines import arch_of, measured_peaks as read_peaks, name_for  # noqa: PLC0415
+
+    arch = arch_of({"gpu": torch.cuda.get_device_name()})
+    return read_peaks(arch, name_for(suite, options.impl, resolved_provider(options))) or None
+
+
 def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_override: Optional[Path] = None,
                          link_override: Optional[Path] = None) -> tuple[dict, int, Path, Optional[Path]]:
     check_run_options(args)
@@ -152,7 +166,8 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
                        argv=["dsv4-parity", *getattr(args, "argv", sys.argv[1:])],
                        run_id=run_id, quiet=args.quiet, workers=parse_workers(getattr(args, "workers", "1")),
                        threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None),
-                       force=getattr(args, "force", False), link=link, selection=selection_record(label, cases))
+                       force=getattr(args, "force", False), link=link, selection=selection_record(label, cases),
+                       peaks=measured_peaks(label, options) if oracle is None else None)
     counts, code = run(cases, config)
     _say(_closing_line(counts, len(cases), code, out_dir, oracle))
     return counts, code, out_dir, link

@@ -7,6 +7,9 @@
   reference) and, when the run row has one, ``impl_info`` (the implementation's self-description, e.g.
   ``--impl megatron``'s revision, provider, stand-ins and kernel versions).
 * ``gate.json``   — optional :class:`reports.drift.GateConfig` overrides for comparisons against this baseline.
+* ``memory.csv``  — on a GPU: each case's peak GPU memory in that run (``case_id,peak_gpu_bytes``, the largest of
+  its phases' ``peak_gpu_bytes``), which later runs of the same path on that GPU read as the expected peak of the
+  worker pool's memory admission (:func:`measured_peaks`, ``parity.run.memory.expected_gpu_bytes``).
 
 ``<arch>`` is :func:`arch_of` the run's GPU (``cpu`` without one, ``h200`` for "NVIDIA H200", ...). ``<name>`` is
 :func:`default_name`: ``<suite>`` for ``--impl fused``, ``<impl>-<provider>-<suite>`` for another implementation
@@ -33,7 +36,7 @@ from cases.vocabulary import outcome_counts
 from .coverage_gate import reason_counts, reason_key
 from .drift import GateConfig
 from .errors import ReportError
-from .load import RESULTS_NAME, RunData, ended_complete, load_run, peek_run
+from .load import RESULTS_NAME, RunData, ended_complete, load_run, peek_run, read_rows
 from .schema import CSV_SCHEMA_VERSION
 from .table import CSV_NAME, metrics_table, read_csv, write_csv
 
@@ -41,6 +44,7 @@ BASELINES_ROOT = Path(__file__).resolve().parent / "baselines"
 METRICS_NAME = "metrics.csv"
 ENV_NAME = "env.json"
 GATE_NAME = "gate.json"
+PEAKS_NAME = "memory.csv"
 
 
 @dataclass
@@ -182,17 +186,39 @@ def run_provider(run: dict[str, Any]) -> str | None:
 
 
 def default_name(data: RunData) -> str | None:
-    """The run's baseline name under its arch: ``<suite>`` for ``--impl fused``, ``<impl>-<provider>-<suite>`` for
-    another implementation (``megatron-unfused-gate``, ``megatron-cudnn-gate``), so production's baselines never
-    stand in for the composition's, nor one production path's for another's (``<impl>-<suite>`` when the run row
-    names no provider)."""
+    """The run's baseline name under its arch (:func:`name_for` its suite, implementation and resolved provider)."""
     suite, impl = data.run.get("suite"), data.run.get("impl")
-    if not suite:
-        return None
+    return name_for(str(suite), impl, run_provider(data.run)) if suite else None
+
+
+def name_for(suite: str, impl: str | None, provider: str | None) -> str:
+    """``<suite>`` for ``--impl fused``, ``<impl>-<provider>-<suite>`` for another implementation
+    (``megatron-unfused-gate``, ``megatron-cudnn-gate``), so production's baselines never stand in for the
+    composition's, nor one production path's for another's (``<impl>-<suite>`` when there is no provider)."""
     if impl in (None, "fused"):
-        return str(suite)
-    provider = run_provider(data.run)
+        return suite
     return f"{impl}-{provider}-{suite}" if provider and provider not in ("auto", "none") else f"{impl}-{suite}"
+
+
+def case_peaks(results: Path) -> dict[str, int]:
+    """``{case_id: bytes}``: each case's largest ``peak_gpu_bytes`` over its phases in a ``results.jsonl`` (cases
+    without the field — a CPU run, a case that never reached the GPU — are left out)."""
+    peaks: dict[str, int] = {}
+    for _, row in read_rows(results)[0]:
+        phases = row.get("peak_gpu_bytes") if row.get("type") == "case" else None
+        values = [v for v in phases.values() if isinstance(v, (int, float))] if isinstance(phases, dict) else []
+        if values and row.get("case_id"):
+            peaks[str(row["case_id"])] = max(peaks.get(str(row["case_id"]), 0), int(max(values)))
+    return peaks
+
+
+def measured_peaks(arch: str, name: str, root: Path = BASELINES_ROOT) -> dict[str, int]:
+    """The ``memory.csv`` of baseline ``<arch>/<name>`` as ``{case_id: bytes}`` ({} where there is none)."""
+    path = root / arch / name / PEAKS_NAME
+    if not path.is_file():
+        return {}
+    table = pd.read_csv(path, dtype={"case_id": str})
+    return {str(c): int(b) for c, b in zip(table["case_id"], table["peak_gpu_bytes"])}
 
 
 def default_baseline(data: RunData, root: Path = BASELINES_ROOT) -> str | None:
@@ -218,4 +244,10 @@ def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path =
     (target / ENV_NAME).write_text(json.dumps(env, indent=2, sort_keys=True) + "\n")
     if gate is not None:
         (target / GATE_NAME).write_text(json.dumps(gate.to_dict(), indent=2, sort_keys=True) + "\n")
+    peaks = case_peaks(data.path)
+    if peaks:
+        pd.DataFrame(sorted(peaks.items()), columns=["case_id", "peak_gpu_bytes"]).to_csv(
+            target / PEAKS_NAME, index=False)
+    elif (target / PEAKS_NAME).is_file():
+        (target / PEAKS_NAME).unlink()  # retaken without GPU peaks: the old ones describe another run
     return target

@@ -142,12 +142,25 @@ def _compressed_keys_per_row(case: Case) -> int:
     return case.layout.max_seqlen // c.compress_ratio if c.compress_ratio > 1 else 0
 
 
-def expected_gpu_bytes(case: Case, impl: str, provider: Optional[str]) -> int:
+#: A measured peak (PyTorch's largest allocation of the case's phases) times this, plus :data:`MEASURED_SLACK`
+#: bytes, is its expected peak: the allocator's cached-but-free blocks and the libraries' workspaces come on top.
+MEASURED_MARGIN = 1.15
+MEASURED_SLACK = 512 << 20
+
+
+def expected_gpu_bytes(case: Case, impl: str, provider: Optional[str],
+                       measured: Optional[dict] = None) -> int:
     """The GPU memory a case is expected to hold at its peak under ``impl`` / ``provider``, for the worker pool's
-    memory admission (:class:`parity.run.worker.WorkerPool`); 0 where no model is known (the case is not held
-    back). Today: production's unfused path, :data:`UNFUSED_PEAK_PER_GATHER` × :func:`unfused_gather_bytes`
-    (``auto`` is the unfused path for ``megatron``). The fused paths and our own implementations weigh 0: six of
-    their cases share an H200 without running out of memory (the gates of 2026-12-04)."""
+    memory admission (:class:`parity.run.worker.WorkerPool`); 0 where nothing is known (the case is not held back).
+
+    * ``measured`` (``{case_id: bytes}``, a baseline's ``memory.csv`` of the same path on the same GPU, read by the
+      CLI): the case's peak there × :data:`MEASURED_MARGIN` + :data:`MEASURED_SLACK`;
+    * else production's unfused path (``auto`` is that path for ``megatron``): :data:`UNFUSED_PEAK_PER_GATHER` ×
+      :func:`unfused_gather_bytes`;
+    * else 0: the fused paths and our own implementations, six of whose cases share an H200 without running out
+      of memory (the gates of 2026-12-04)."""
+    if measured and case.id in measured:
+        return int(MEASURED_MARGIN * measured[case.id]) + MEASURED_SLACK
     if impl != "megatron" or provider not in (None, "auto", "unfused"):
         return 0
     factor = UNFUSED_PEAK_PER_GATHER["512_keys_and_up" if _compressed_keys_per_row(case) >= 512 else "other"]

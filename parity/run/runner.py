@@ -127,6 +127,7 @@ class RunConfig:
     force: bool = False  # clear a non-empty out_dir instead of refusing it
     link: Optional[Path] = None  # a symlink (reports/out/latest) to point at out_dir once the run row is written
     selection: Optional[dict] = None  # how the cases were chosen, recorded on the run row for --resume
+    peaks: Optional[dict] = None  # {case_id: bytes} measured on this GPU before (memory admission; the CLI reads it)
 
 
 def _isolation(config: RunConfig, workers: int) -> str:
@@ -196,7 +197,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         results.create_stream(path, [{
             "type": "run", "run_id": config.run_id, "suite": config.suite, "impl": opts.impl,
             "against": f"oracle:{config.oracle}" if config.oracle else opts.against,
-            "provider": _run_provider(opts),
+            "provider": resolved_provider(opts),
             "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "argv": list(config.argv), "env": environment(device),
             "options": asdict(opts), "workers": workers, "devices": [s.device for s in slots],
@@ -239,7 +240,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         else:
             used = slots[:max(1, min(workers, len(todo)))]
             pool = WorkerPool(used, timeout=config.timeout, fresh=(mode == "case"),
-                              **_memory_admission(config.options, device, used))
+                              **_memory_admission(config.options, device, used, config.peaks))
             jobs = ((c, request(c)) for c in within_budget(todo))
             for done in pool.run(jobs, on_start=lambda c, _: progress.starting(c)):
                 rows = done.rows if done.rows is not None else error_rows(done.key, config.options, done.why)
@@ -295,17 +296,19 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     return counts, code
 
 
-def _memory_admission(options: RunOptions, device: str, slots: Sequence[Slot]) -> dict:
-    """The worker pool's memory admission (``weigh``, ``capacity``) where several workers share a GPU and the run's
-    implementation has a memory model (:func:`parity.run.memory.expected_gpu_bytes`), else nothing (no job waits)."""
+def _memory_admission(options: RunOptions, device: str, slots: Sequence[Slot], peaks: Optional[dict] = None) -> dict:
+    """The worker pool's memory admission (``weigh``, ``capacity``) where several workers share a GPU, by each case's
+    expected peak (:func:`parity.run.memory.expected_gpu_bytes`: ``peaks`` measured before, else a model, else 0:
+    such a case never waits); nothing on a CPU or with a GPU per worker."""
     if device != "cuda":
         return {}
     per_device = max(sum(1 for s in slots if s.device == label) for label in {s.device for s in slots})
     if per_device < 2:
         return {}
-    provider = _run_provider(options)  # a case without a model weighs 0: it never waits
+    provider = resolved_provider(options)  # a case without a model weighs 0: it never waits
     capacity = memory.admission_capacity(memory.device_total_bytes(), per_device)
-    return {"weigh": lambda case: memory.expected_gpu_bytes(case, options.impl, provider), "capacity": capacity}
+    return {"weigh": lambda case: memory.expected_gpu_bytes(case, options.impl, provider, peaks),
+            "capacity": capacity}
 
 
 def _impl_info(name: str, provider: Optional[str] = None, cp: int = 1) -> dict:
@@ -337,7 +340,7 @@ def _set_threads(threads: Optional[int]) -> int:
     return before
 
 
-def _run_provider(options: RunOptions) -> str:
+def resolved_provider(options: RunOptions) -> str:
     """The provider recorded in the ``run`` row: as requested, ``none`` for an implementation without providers."""
     try:
         return load_impl(options.impl).resolve_provider(options.provider)

@@ -43,7 +43,7 @@ def test_paths_without_a_model_weigh_nothing(impl, provider):
 
 def test_the_runner_admits_by_memory_only_on_a_shared_gpu(monkeypatch):
     monkeypatch.setattr(memory, "device_total_bytes", lambda: 80 * 2**30)
-    monkeypatch.setattr(runner, "_run_provider", lambda options: options.provider)
+    monkeypatch.setattr(runner, "resolved_provider", lambda options: options.provider)
     options = RunOptions(impl="megatron", provider="unfused")
     shared = plan_slots(4, "cuda", tokens=["0"], cpu_count=16)
     admission = runner._memory_admission(options, "cuda", shared)
@@ -52,3 +52,43 @@ def test_the_runner_admits_by_memory_only_on_a_shared_gpu(monkeypatch):
     assert admission["weigh"](case) == memory.expected_gpu_bytes(case, "megatron", "unfused")
     assert runner._memory_admission(options, "cuda", plan_slots(2, "cuda", tokens=["0", "1"])) == {}  # a GPU each
     assert runner._memory_admission(options, "cpu", plan_slots(2, "cpu")) == {}
+
+
+def test_a_measured_peak_wins_over_the_model_on_any_path():
+    case = load_suite("gate")[0]
+    measured = {case.id: 10 << 30}
+    expected = int(memory.MEASURED_MARGIN * (10 << 30)) + memory.MEASURED_SLACK
+    assert memory.expected_gpu_bytes(case, "fused", "cudnn", measured) == expected
+    assert memory.expected_gpu_bytes(case, "megatron", "unfused", measured) == expected
+    # controls: another case's measurement does not apply; without one the model / 0 stands
+    assert memory.expected_gpu_bytes(case, "fused", "cudnn", {"another": 1 << 40}) == 0
+    assert memory.expected_gpu_bytes(case, "megatron", "unfused", {}) == int(
+        memory.UNFUSED_PEAK_PER_GATHER[("512_keys_and_up" if memory._compressed_keys_per_row(case) >= 512
+                                        else "other")] * memory.unfused_gather_bytes(case))
+
+
+def test_the_runner_weighs_by_the_measured_peaks_it_is_given(monkeypatch):
+    monkeypatch.setattr(memory, "device_total_bytes", lambda: 80 * 2**30)
+    monkeypatch.setattr(runner, "resolved_provider", lambda options: options.provider)
+    case = load_suite("gate")[0]
+    admission = runner._memory_admission(RunOptions(impl="fused", provider="cudnn"), "cuda",
+                                         plan_slots(3, "cuda", tokens=["0"], cpu_count=12), {case.id: 1 << 30})
+    assert admission["weigh"](case) == memory.expected_gpu_bytes(case, "fused", "cudnn", {case.id: 1 << 30}) > 0
+
+
+def test_the_cli_reads_the_peaks_of_this_paths_baseline_on_this_gpu(monkeypatch):
+    import torch
+
+    import reports.baselines
+    from cli.run_command import measured_peaks
+
+    options = RunOptions(impl="megatron", provider="unfused")
+    assert measured_peaks("gate", options) is None  # this CPU
+    asked = []
+    monkeypatch.setattr(RunOptions, "torch_device", lambda self: "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(runner, "resolved_provider", lambda options: options.provider)
+    monkeypatch.setattr(reports.baselines, "measured_peaks",
+                        lambda arch, name, root=None: asked.append((arch, name)) or {"x": 1})
+    assert measured_peaks("gate", options) == {"x": 1}
+    assert asked == [("h200", "megatron-unfused-gate")]

@@ -127,3 +127,26 @@ def test_a_broken_gate_json_names_the_file(runs, tmp_path):
     from reports.render import gate_for
     with pytest.raises(ReportError, match=r"gate.json.factor: must be a number > 1"):
         gate_for(load_baseline("cpu/smoke", root=tmp_path))
+
+
+def test_a_gpu_runs_case_peaks_are_kept_beside_its_baseline_and_read_back(tmp_path):
+    """``memory.csv``: each case's largest phase peak, which later runs of the path read for memory admission."""
+    from reports.baselines import PEAKS_NAME, measured_peaks
+
+    rows = rows_of(n_cases=3, run_id="gpu")
+    cases = [r for r in rows if r.get("type") == "case"]
+    for i, row in enumerate(cases):
+        row["peak_gpu_bytes"] = {"impl": (i + 1) << 30, "reference": (i + 2) << 29}
+    data = load_run(write_rows(rows, tmp_path / "gpu"))
+    data.run["env"] = {**data.env, "gpu": "NVIDIA H200"}
+    target = save_baseline(data, metrics_table(data), "gate", root=tmp_path / "b")
+    assert target == tmp_path / "b" / "h200" / "gate"
+    peaks = measured_peaks("h200", "gate", root=tmp_path / "b")
+    assert peaks == {row["case_id"]: max((i + 1) << 30, (i + 2) << 29) for i, row in enumerate(cases)}
+    assert measured_peaks("h100", "gate", root=tmp_path / "b") == {}  # another GPU's: none
+
+    # negative control: retaken from a run without GPU peaks, the old file goes (it described another run)
+    plain = load_run(write_rows(rows_of(n_cases=3, run_id="cpu"), tmp_path / "cpu"))
+    plain.run["env"] = {**plain.env, "gpu": "NVIDIA H200"}
+    save_baseline(plain, metrics_table(plain), "gate", root=tmp_path / "b")
+    assert not (target / PEAKS_NAME).exists()
