@@ -369,56 +369,68 @@ def test_a_case_that_needs_more_than_the_whole_gpu_is_not_re_run_alone(tmp_path)
 GIB = 1 << 30
 
 
-def running_weights(log, weights):
-    """The summed weight of the jobs running after each log event, with how many ran."""
+def pool_view(pool, items):
+    """The pool's own sequence of ``("start", key)`` (handed out) and ``("end", key)`` (yielded) events: exact,
+    whatever the children's timing."""
+    seen = []
+    try:
+        for done in pool.run(items, on_start=lambda key, slot: seen.append(("start", key))):
+            seen.append(("end", done.key))
+    finally:
+        pool.close()
+    return seen
+
+
+def running_weights(seen, weights):
+    """After each event: the summed weight of the jobs handed out and not yet ended, and how many they are."""
     running, out = set(), []
-    for event, key, *_ in log:
+    for event, key in seen:
         (running.add if event == "start" else running.discard)(key)
         out.append((sum(weights[k] for k in running), len(running)))
     return out
 
 
-def admission_jobs(tmp_path, weights, sleeps):
-    return oom_jobs(tmp_path, *[(k, "pass", sleeps[k]) for k in weights])
+def weighed(weights, sleeps):
+    return [(k, {"id": k, "do": "pass", "sleep": sleeps[k]}) for k in weights]
 
 
-def test_jobs_start_only_where_their_expected_memory_fits(tmp_path):
+def test_jobs_start_only_where_their_expected_memory_fits():
     weights = {"b1": 8, "b2": 8, "b3": 7, **{f"s{i}": 1 for i in range(6)}}
-    sleeps = {k: (0.4 if k.startswith("b") else 0.1) for k in weights}
+    sleeps = {k: (0.2 if k.startswith("b") else 0.05) for k in weights}
     slots = plan_slots(3, "cuda", tokens=["0"], cpu_count=12)
-    pool = WorkerPool(slots, timeout=30, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
-    done = run_list(pool, admission_jobs(tmp_path, weights, sleeps))
-    assert sorted(f.key for f in done) == sorted(weights)  # every job ran once
-    assert all(total <= 10 for total, n in running_weights(events(tmp_path), weights))
+    pool = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+    seen = pool_view(pool, weighed(weights, sleeps))
+    assert sorted(k for e, k in seen if e == "end") == sorted(weights)  # every job ran once
+    assert all(total <= 10 for total, _ in running_weights(seen, weights))
     assert pool.waited > 0
 
-    # negative control: the same jobs with no admission run two large ones together
-    (tmp_path / "log").unlink()
-    run_list(WorkerPool(slots, timeout=30, command=CHILD), admission_jobs(tmp_path, weights, sleeps))
-    assert max(total for total, _ in running_weights(events(tmp_path), weights)) > 10
+    # negative control: the same jobs with no admission: the three large ones are handed out together
+    seen = pool_view(WorkerPool(slots, timeout=60, command=CHILD), weighed(weights, sleeps))
+    assert seen[:3] == [("start", "b1"), ("start", "b2"), ("start", "b3")]
+    assert max(total for total, _ in running_weights(seen, weights)) > 10
 
 
-def test_the_first_waiting_job_keeps_its_room_and_a_job_larger_than_the_gpu_runs_alone(tmp_path):
+def test_the_first_waiting_job_keeps_its_room_and_a_job_larger_than_the_gpu_runs_alone():
     # b2 cannot start beside b1; the small ones would fit beside b1 but not beside b1 and b2's reservation, so
     # they wait for b2 to start (no starving of the large job); huge (over the capacity) runs with nothing else
     weights = {"b1": 8, "b2": 8, "s0": 1, "s1": 1, "s2": 1, "huge": 30, "s3": 1}
-    sleeps = {"b1": 0.4, "b2": 0.3, "huge": 0.3, "s0": 0.05, "s1": 0.05, "s2": 0.05, "s3": 0.05}
+    sleeps = {k: 0.05 for k in weights}
     slots = plan_slots(3, "cuda", tokens=["0"], cpu_count=12)
-    pool = WorkerPool(slots, timeout=30, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
-    done = run_list(pool, admission_jobs(tmp_path, weights, sleeps))
-    assert sorted(f.key for f in done) == sorted(weights)
-    log = events(tmp_path)
-    starts = [key for event, key, *_ in log if event == "start"]
+    pool = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+    seen = pool_view(pool, weighed(weights, sleeps))
+    assert sorted(k for e, k in seen if e == "end") == sorted(weights)
+    starts = [k for e, k in seen if e == "start"]
     assert starts[:2] == ["b1", "b2"]  # b2 went before the smaller jobs read after it
-    for total, n in running_weights(log, weights):
+    assert seen.index(("start", "b2")) > seen.index(("end", "b1"))  # and not beside b1
+    for total, n in running_weights(seen, weights):
         assert total <= 10 or n == 1  # over the capacity only alone
-    assert any(n == 2 for total, n in running_weights(log, weights))  # negative control: some jobs did share
+    assert any(n >= 2 for _, n in running_weights(seen, weights))  # negative control: some jobs did share
 
 
-def test_without_weights_nothing_waits(tmp_path):
+def test_without_weights_nothing_waits():
     weights = {"b1": 8, "b2": 8}
-    pool = WorkerPool(plan_slots(2, "cuda", tokens=["0"], cpu_count=8), timeout=30, command=CHILD,
+    pool = WorkerPool(plan_slots(2, "cuda", tokens=["0"], cpu_count=8), timeout=60, command=CHILD,
                       weigh=lambda k: 0, capacity=10 * GIB)
-    run_list(pool, admission_jobs(tmp_path, weights, {"b1": 0.3, "b2": 0.3}))
+    seen = pool_view(pool, weighed(weights, {"b1": 0.05, "b2": 0.05}))
     assert pool.waited == 0
-    assert max(n for _, n in running_weights(events(tmp_path), weights)) == 2
+    assert seen[:2] == [("start", "b1"), ("start", "b2")]
