@@ -103,21 +103,27 @@ class _Truth:
 
 
 class _Pair:
-    """``a`` vs ``r`` with their elementwise intermediates and maxima made once (``d = a - r``, ``|d|``, ``max|d|``;
+    """``a`` vs ``r`` with their elementwise intermediates and maxima made once (``|d| = |a - r|``, ``max|d|``;
     ``r``'s own in ``truth``, which pairs against the same ``r`` share): the reductions of a metric set share them,
-    each the very tensor the single metric computes."""
+    each the very tensor the single metric computes.
+
+    Only ``|d|`` is kept, made in place over ``a - r``: ``Σd²`` and ``‖d‖`` are the same numbers from ``|d|``
+    (``(-x)² = x²`` exactly, the same elements in the same layout), and one tensor of the compared size fewer is
+    held — the comparison's peak memory is set by its largest tensor's intermediates."""
 
     def __init__(self, a: torch.Tensor, r: torch.Tensor, truth: Optional[_Truth] = None):
         self.a, self.r = a, r
         self.truth = truth if truth is not None else _Truth(r)
 
     @functools.cached_property
-    def d(self) -> torch.Tensor:
-        return self.a - self.r
-
-    @functools.cached_property
     def ad(self) -> torch.Tensor:
-        return self.d.abs()
+        return (self.a - self.r).abs_()
+
+    def release(self) -> None:
+        """Make ``max|d|`` (kept) and drop ``|d|``: a pair whose reductions are all made holds no tensor of the
+        compared size any more."""
+        _ = self.ad_max
+        self.__dict__.pop("ad", None)
 
     @property
     def ar(self) -> torch.Tensor:
@@ -146,12 +152,12 @@ def _reductions(x: _Pair, *names: str) -> dict[str, torch.Tensor]:
         elif name == "ref_max":
             out[name] = x.ar_max
         elif name == "rel_max":
-            keep = x.ar >= MAX_REL_FLOOR * x.ar_max
-            out[name] = torch.where(keep, x.ad / x.ar, torch.zeros_like(r)).max()
+            dropped = x.ar < MAX_REL_FLOOR * x.ar_max  # a maximum: exact in any layout, so filled in place
+            out[name] = (x.ad / x.ar).masked_fill_(dropped, 0.0).max()
         elif name == "rmse":
-            out[name] = x.d.pow(2).mean().sqrt()
+            out[name] = x.ad.pow(2).mean().sqrt()
         elif name == "norm_diff":
-            out[name] = torch.linalg.vector_norm(x.d)
+            out[name] = torch.linalg.vector_norm(x.ad)
         elif name == "norm_a":
             out[name] = torch.linalg.vector_norm(a)
         elif name == "norm_r":
@@ -271,7 +277,7 @@ def _noise_floor_reductions(x: _Pair, ref: _Pair, dtype: torch.dtype, ulps: floa
     out = {"den": den, "err_max": x.ad_max}
     if per_element:
         dens = den + scalar_ulps * ulp(r, dtype)
-        out["ratio_max"] = torch.where(err == 0, torch.zeros_like(err), err / dens).max()
+        out["ratio_max"] = (err / dens).masked_fill_(err == 0, 0.0).max()  # 0/0 where both are 0
         out["den_min"] = dens.min()
     return out
 
@@ -344,18 +350,26 @@ def compute(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: 
 
 def reductions(a: torch.Tensor, r: torch.Tensor, p: Optional[torch.Tensor], dtype: torch.dtype, ulps: float,
                per_element: bool = False, scalar_ulps: float = 0.0, atol: float = 0.0,
-               also: Optional[dict] = None) -> dict[str, torch.Tensor]:
-    """The device side of :func:`compute`: its 0-d reductions (and ``also``), not yet read back."""
-    p = r if p is None else p
+               also: Optional[dict] = None, owned: tuple = (False, False, False)) -> dict[str, torch.Tensor]:
+    """The device side of :func:`compute`: its 0-d reductions (and ``also``), not yet read back. ``owned``: which
+    of ``a``, ``r``, ``p`` are the caller's own copies, which the ``atol`` clamp may then overwrite in place (the
+    same values in the same layout, one tensor of their size fewer held each)."""
+    if p is None:
+        p, owned = r, owned[:2] + (False,)
     if atol > 0:  # magnitudes below atol are underflow noise: an exactly-zero reference is matched by 1e-46
-        a, r, p = (torch.where(x.abs() <= atol, torch.zeros_like(x), x) for x in (a, r, p))  # keeps x's layout
+        a, r, p = (x.masked_fill_(x.abs() <= atol, 0.0) if mine
+                   else torch.where(x.abs() <= atol, torch.zeros_like(x), x)  # a copy in x's layout
+                   for x, mine in zip((a, r, p), owned))
     both = _BOTH_PAIRS
     device: dict[str, torch.Tensor] = dict(also or {})
     if a.numel():
         mine = _Pair(a, r)
         ref = _Pair(p, r, mine.truth)  # the same r: its |r|, r², Σr², ‖r‖ made once
-        device.update({f"a.{k}": v for k, v in _reductions(mine, *both, "ref_max", "rel_max", "norm_diff").items()})
+        # the noise run's pair first, its |p - r| dropped once reduced (the floor needs only its maximum): at most
+        # |r|, one |d| and one temporary of the compared size are held at a time
         device.update({f"p.{k}": v for k, v in _reductions(ref, *both).items()})
+        ref.release()
+        device.update({f"a.{k}": v for k, v in _reductions(mine, *both, "ref_max", "rel_max", "norm_diff").items()})
         device.update({f"nf.{k}": v for k, v in _noise_floor_reductions(mine, ref, dtype, ulps, per_element,
                                                                         scalar_ulps, atol).items()})
         device["rms_r"] = mine.truth.square_mean.sqrt()

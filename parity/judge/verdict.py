@@ -126,13 +126,15 @@ class NumericPending:
 
 
 def numeric_reductions(name: str, cls: str, a: torch.Tensor, r: torch.Tensor, p: torch.Tensor, dtype: torch.dtype,
-                       tol: Tolerance, scalar_numel: int, nan=0, inf=0) -> NumericPending:
+                       tol: Tolerance, scalar_numel: int, nan=0, inf=0,
+                       owned: tuple = (False, False, False)) -> NumericPending:
     """The device side of :func:`judge_numeric` (same arguments): the metric reductions, the non-finite counts riding
-    along."""
+    along. ``owned``: which of ``a``, ``r``, ``p`` are the caller's copies (:func:`parity.judge.metrics.reductions`
+    may overwrite them)."""
     per_element = r.numel() <= scalar_numel
     counts = {k: v for k, v in (("nan", nan), ("inf", inf)) if isinstance(v, torch.Tensor)}
     device = metrics.reductions(a, r, p, dtype, tol.ulps, per_element=per_element, scalar_ulps=tol.scalar_ulps,
-                                atol=tol.atol, also=counts)
+                                atol=tol.atol, also=counts, owned=owned)
     return NumericPending(name, cls, device, r.numel(), a.numel(), dtype, tol, per_element, nan, inf)
 
 
@@ -188,6 +190,11 @@ def judge_numeric_values(pending: NumericPending, read: dict) -> tuple[str, str,
 def _restrict(name: str, x: torch.Tensor, real: "_RealRows") -> torch.Tensor:
     x = metrics.upcast(x)
     return real.of(x) if is_row_tensor(name) else x
+
+
+def _shares(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` is (a view of) ``y``'s memory: not a copy the comparison may overwrite."""
+    return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
 
 
 class _RealRows:
@@ -249,8 +256,10 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
         inf = torch.isinf(ar).sum()
         tol = policy.tolerance(cls, precision, provider)
         dtype = DTYPES[precision]  # the working precision: an fp32 tensor of a bf16 case carries bf16 error
+        # the float64 row sets made here (not a snapshot's own tensor) may be overwritten by the atol clamp
+        owned = tuple(not _shares(x, y) for x, y in ((ar, a), (rr, r), (pr, p)))
         pending.append((len(results), numeric_reductions(name, cls, ar, rr, pr, dtype, tol, policy.scalar_numel,
-                                                         nan, inf), base, (a, r, row_set)))
+                                                         nan, inf, owned), base, (a, r, row_set)))
         results.append(None)  # decided below, once every tensor's metrics are read back
         del ar, rr, pr
     # every numeric tensor's metrics in one transfer: on CUDA one wait for the GPU per case, not one per tensor

@@ -92,3 +92,16 @@ def test_the_cli_reads_the_peaks_of_this_paths_baseline_on_this_gpu(monkeypatch)
                         lambda arch, name, root=None: asked.append((arch, name)) or {"x": 1})
     assert measured_peaks("gate", options) == {"x": 1}
     assert asked == [("h200", "megatron-unfused-gate")]
+
+
+def test_the_h100s_measured_fused_path_memory_covers_the_gate_and_keeps_its_largest_cases_apart():
+    from reports.baselines import measured_peaks
+
+    peaks = measured_peaks("h100", "megatron-cudnn-gate")
+    cases = {c.id: c for c in load_suite("gate")}
+    assert set(peaks) == set(cases)
+    weights = sorted((memory.expected_gpu_bytes(cases[cid], "megatron", "cudnn", peaks) for cid in peaks),
+                     reverse=True)
+    capacity = memory.admission_capacity(int(79.18 * 2**30), 6)
+    assert weights[0] + weights[1] > capacity  # the two largest (~33 GiB each, × 1.15) no longer run together
+    assert weights[-1] + weights[-2] < capacity  # control: small ones still share

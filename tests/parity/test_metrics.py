@@ -1,9 +1,12 @@
 """Per-tensor metrics (parity/judge/metrics.py): definitions, edge cases, and the noise-floor / scale rules."""
 
 import math
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from parity.judge import metrics
 
@@ -125,3 +128,61 @@ def test_an_empty_implementation_tensor_against_a_full_reference_is_judged_not_r
     full = verdict.judge_numeric("x", "out", r.clone(), r, r, torch.float64, tol, policy.scalar_numel)
     assert empty[0] in ("pass", "fail") and full[0] == "pass"
     assert [row.value for row in empty[2] if row.metric == "numel"] == [8.0]
+
+
+# ---- the comparison's memory: how many tensors of the compared size it holds at once ---------------------------------
+class _LiveBytes(TorchDispatchMode):
+    """The most bytes of tensors made inside the block alive at once (each op's new outputs, freed as they die)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                if key in inputs or key in self.live or not t.untyped_storage().nbytes():
+                    continue
+                self.live[key] = t.untyped_storage().nbytes()
+                weakref.finalize(t, self.live.pop, key, None)
+                self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+def _held(fn) -> float:
+    """Peak bytes ``fn`` holds, in tensors of 2**18 float64 elements."""
+    with _LiveBytes() as live:
+        fn()
+    return live.peak / (8 * 2**18)
+
+
+def test_the_comparison_holds_few_tensors_of_the_compared_size():
+    r = torch.randn(2**18, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    a, p = r.bfloat16().double(), (r * 1.001).bfloat16().double()
+
+    def reduce(atol=0.0, owned=(False, False, False)):
+        xs = [x.clone() if mine else x for x, mine in zip((a, r, p), owned)]  # the caller's copies, made before
+        return lambda: metrics.fetch(metrics.reductions(*xs, torch.bfloat16, 4.0, atol=atol, owned=owned))
+
+    assert _held(reduce()) < 3.5  # |r|, one |d| and a temporary: the noise run's |d| is dropped first
+    assert _held(reduce(1e-30)) < 6.5  # the atol clamp copies the three inputs it does not own
+    assert _held(reduce(1e-30, (True, True, True))) < 3.5  # and overwrites the ones it owns
+    # negative control: the tracker sees what is held (five copies at once)
+    assert _held(lambda: [x * 2 for x in (a, r, p, a, r)]) >= 5
+
+
+def test_the_atol_clamp_overwrites_only_what_the_caller_owns_and_changes_no_value():
+    g = torch.Generator().manual_seed(1)
+    r = torch.randn(64, 33, dtype=torch.float64, generator=g).t()  # a permuted layout, as snapshots have
+    r[0, :5] = 1e-40  # below atol
+    a, p = r.bfloat16().double(), (r * 1.001).bfloat16().double()
+    kept = [x.clone() for x in (a, r, p)]
+    shared = metrics.fetch(metrics.reductions(a, r, p, torch.bfloat16, 4.0, atol=1e-30))
+    assert all(torch.equal(x, y) for x, y in zip((a, r, p), kept))  # not owned: untouched
+    mine = [x.clone() for x in (a, r, p)]
+    owned = metrics.fetch(metrics.reductions(*mine, torch.bfloat16, 4.0, atol=1e-30, owned=(True, True, True)))
+    assert owned == shared  # the same values, bit for bit
+    assert float(mine[1][0, 0]) == 0.0 and float(r[0, 0]) == 1e-40  # the owned copy was clamped in place
