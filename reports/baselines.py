@@ -201,11 +201,14 @@ def name_for(suite: str, impl: str | None, provider: str | None) -> str:
 
 
 def case_peaks(results: Path) -> dict[str, int]:
-    """``{case_id: bytes}``: each case's largest ``peak_gpu_bytes`` over its phases in a ``results.jsonl`` (cases
-    without the field — a CPU run, a case that never reached the GPU — are left out)."""
+    """``{case_id: bytes}``: each case's largest ``peak_gpu_bytes`` over its phases in a ``results.jsonl``, for
+    the cases that ran to their verdict (``pass`` / ``fail`` / ``known``). Left out: cases without the field (a CPU
+    run), ``error`` cases (a phase that ran out of memory or raised records only what it held before: less than
+    the case needs) and ``unsupported`` ones (declined before their work)."""
     peaks: dict[str, int] = {}
     for _, row in read_rows(results)[0]:
-        phases = row.get("peak_gpu_bytes") if row.get("type") == "case" else None
+        ran = row.get("type") == "case" and row.get("outcome") in ("pass", "fail", "known")
+        phases = row.get("peak_gpu_bytes") if ran else None
         values = [v for v in phases.values() if isinstance(v, (int, float))] if isinstance(phases, dict) else []
         if values and row.get("case_id"):
             peaks[str(row["case_id"])] = max(peaks.get(str(row["case_id"]), 0), int(max(values)))

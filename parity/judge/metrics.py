@@ -152,8 +152,8 @@ def _reductions(x: _Pair, *names: str) -> dict[str, torch.Tensor]:
         elif name == "ref_max":
             out[name] = x.ar_max
         elif name == "rel_max":
-            dropped = x.ar < MAX_REL_FLOOR * x.ar_max  # a maximum: exact in any layout, so filled in place
-            out[name] = (x.ad / x.ar).masked_fill_(dropped, 0.0).max()
+            keep = x.ar >= MAX_REL_FLOOR * x.ar_max  # a maximum: exact in any layout, so filled in place
+            out[name] = (x.ad / x.ar).masked_fill_(keep.logical_not_(), 0.0).max()
         elif name == "rmse":
             out[name] = x.ad.pow(2).mean().sqrt()
         elif name == "norm_diff":

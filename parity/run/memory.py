@@ -151,7 +151,8 @@ MEASURED_SLACK = 512 << 20
 def expected_gpu_bytes(case: Case, impl: str, provider: Optional[str],
                        measured: Optional[dict] = None) -> int:
     """The GPU memory a case is expected to hold at its peak under ``impl`` / ``provider``, for the worker pool's
-    memory admission (:class:`parity.run.worker.WorkerPool`); 0 where nothing is known (the case is not held back).
+    memory admission (:class:`parity.run.worker.WorkerPool`); 0 where nothing is known (it fits beside any cases
+    that leave the GPU within its capacity).
 
     * ``measured`` (``{case_id: bytes}``, a baseline's ``memory.csv`` of the same path on the same GPU, read by the
       CLI): the case's peak there × :data:`MEASURED_MARGIN` + :data:`MEASURED_SLACK`;

@@ -299,13 +299,13 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
 def _memory_admission(options: RunOptions, device: str, slots: Sequence[Slot], peaks: Optional[dict] = None) -> dict:
     """The worker pool's memory admission (``weigh``, ``capacity``) where several workers share a GPU, by each case's
     expected peak (:func:`parity.run.memory.expected_gpu_bytes`: ``peaks`` measured before, else a model, else 0:
-    such a case never waits); nothing on a CPU or with a GPU per worker."""
+    it fits beside any cases within the capacity); nothing on a CPU or with a GPU per worker."""
     if device != "cuda":
         return {}
     per_device = max(sum(1 for s in slots if s.device == label) for label in {s.device for s in slots})
     if per_device < 2:
         return {}
-    provider = resolved_provider(options)  # a case without a model weighs 0: it never waits
+    provider = resolved_provider(options)  # a case without a model weighs 0
     capacity = memory.admission_capacity(memory.device_total_bytes(), per_device)
     return {"weigh": lambda case: memory.expected_gpu_bytes(case, options.impl, provider, peaks),
             "capacity": capacity}

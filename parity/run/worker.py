@@ -204,12 +204,12 @@ class WorkerPool:
     **Memory admission** (``weigh`` and ``capacity``, both given): ``weigh(key)`` is a job's expected peak GPU
     memory in bytes (:func:`parity.run.memory.expected_gpu_bytes`), ``capacity`` the bytes one device lends its
     workers. A job starts on a device only if the weights of the jobs running there plus its own fit ``capacity``
-    — or nothing runs there (a job heavier than the device runs alone). A job that does not fit waits; the first
-    one waiting holds a *reservation*: other jobs start beside the running ones only where they fit together with
-    it, so small jobs fill the room left but never starve the large one (backfilling). The waiting jobs are taken
-    first, in order, as room frees. Jobs are still read from ``jobs`` lazily: at most one per worker is read ahead
-    into the waiting list, and a job read is run even if ``jobs`` stops afterwards (a time budget). Without
-    ``weigh`` nothing waits (every job weighs 0)."""
+    — or nothing runs there (a job heavier than the device runs alone). The jobs keep their order: when the next
+    job fits no device yet, it waits, and so do the jobs behind it (head-of-line; the order is most expensive first,
+    so the large cases go first and the small ones fill the room they leave). One job at most is read ahead from
+    ``jobs`` for that, so a time budget that stops ``jobs`` still stops what comes after it. A job of weight 0 fits
+    wherever the device is not over its capacity, but it too waits its turn behind a waiting job. Without ``weigh``
+    nothing waits."""
 
     def __init__(self, slots: Sequence = (None,), timeout: float = 1800.0, fresh: bool = False,
                  command: Optional[Sequence[str]] = None, weigh: Optional[Callable[[Any], int]] = None,
@@ -219,7 +219,7 @@ class WorkerPool:
         self.fresh = fresh
         self.weigh = weigh if (weigh is not None and capacity) else None
         self.capacity = capacity
-        self.waited = 0  # jobs that waited for GPU memory before they started (memory admission)
+        self.waited = 0  # jobs that found no room on the device that read them (memory admission)
         self._busy: dict[int, tuple[_Job, float, Any]] = {}  # worker index -> (job, deadline, registered pipe)
 
     @property
@@ -255,33 +255,29 @@ class WorkerPool:
         sharing = {label: labels.count(label) for label in labels}  # device label -> workers of the pool on it
         retries: list[_Job] = []  # jobs that ran out of memory on a shared device, to re-run alone on it (FIFO)
         alone: dict[Any, int] = {}  # device label -> the worker running a retry alone on it
-        waiting: list[_Job] = []  # jobs read from ``jobs`` that did not fit a device's memory yet (FIFO)
+        waiting: list[_Job] = []  # the next job, read from ``jobs``, that fitted no device's memory yet (0 or 1)
 
         def held(device) -> int:
             """The expected GPU bytes of the jobs running on ``device``."""
             return sum(job.weight for j, (job, _, _) in busy.items() if labels[j] == device)
 
-        def fits(device, job: _Job, reserve: int) -> bool:
+        def fits(device, job: _Job) -> bool:
+            """Whether ``job`` may start on ``device``: nothing runs there, or it fits beside what does."""
             if not any(labels[j] == device for j in busy):
-                return reserve == 0  # an idle device takes any job, unless it is kept for a waiting one
-            return held(device) + reserve + job.weight <= self.capacity
+                return True
+            return held(device) + job.weight <= self.capacity
 
         def admitted(device) -> Optional[_Job]:
-            """The next job that fits ``device`` under memory admission (the class docstring), or None."""
-            reserve = 0
-            for job in list(waiting):
-                if fits(device, job, reserve):
-                    waiting.remove(job)
-                    return job
-                reserve = reserve or job.weight  # the first waiting job keeps its room
-            while queue and len(waiting) < len(self.workers):
+            """The next job if it fits ``device`` under memory admission (the class docstring), else None."""
+            if not waiting:
+                if not queue:  # reads the next job from ``jobs`` (only now: a slot is idle and none waits)
+                    return None
                 key, request = queue.pop()
-                job = _Job(key, request, weight=max(0, int(self.weigh(key))))
-                if fits(device, job, reserve):
-                    return job
-                self.waited += 1
-                waiting.append(job)
-                reserve = reserve or job.weight
+                waiting.append(_Job(key, request, weight=max(0, int(self.weigh(key)))))
+                if not fits(device, waiting[0]):
+                    self.waited += 1
+            if fits(device, waiting[0]):
+                return waiting.pop()
             return None
 
         def release(i: int) -> _Job:

@@ -186,3 +186,11 @@ def test_the_atol_clamp_overwrites_only_what_the_caller_owns_and_changes_no_valu
     owned = metrics.fetch(metrics.reductions(*mine, torch.bfloat16, 4.0, atol=1e-30, owned=(True, True, True)))
     assert owned == shared  # the same values, bit for bit
     assert float(mine[1][0, 0]) == 0.0 and float(r[0, 0]) == 1e-40  # the owned copy was clamped in place
+
+
+def test_max_rel_leaves_out_a_nan_reference_element_as_before():
+    r = torch.tensor([float("nan"), 1.0, 2.0], dtype=torch.float64)
+    a = torch.tensor([5.0, 1.5, 2.0], dtype=torch.float64)
+    # max|r| is NaN, so no element passes the floor (a comparison with NaN is False) and none is kept: 0, as the
+    # where-form always gave; a mask of the dropped elements (|r| < floor, also False) would keep them all: NaN
+    assert metrics.compute(a, r, None, torch.bfloat16, 4.0)["max_rel"] == 0.0

@@ -410,9 +410,9 @@ def test_jobs_start_only_where_their_expected_memory_fits():
     assert max(total for total, _ in running_weights(seen, weights)) > 10
 
 
-def test_the_first_waiting_job_keeps_its_room_and_a_job_larger_than_the_gpu_runs_alone():
-    # b2 cannot start beside b1; the small ones would fit beside b1 but not beside b1 and b2's reservation, so
-    # they wait for b2 to start (no starving of the large job); huge (over the capacity) runs with nothing else
+def test_jobs_keep_their_order_and_a_job_larger_than_the_gpu_runs_alone():
+    # b2 cannot start beside b1; the small ones behind it would fit beside b1 but wait their turn (the order is the
+    # schedule's: most expensive first), so b2 is not starved; huge (over the capacity) runs with nothing else
     weights = {"b1": 8, "b2": 8, "s0": 1, "s1": 1, "s2": 1, "huge": 30, "s3": 1}
     sleeps = {k: 0.05 for k in weights}
     slots = plan_slots(3, "cuda", tokens=["0"], cpu_count=12)
@@ -434,3 +434,24 @@ def test_without_weights_nothing_waits():
     seen = pool_view(pool, weighed(weights, {"b1": 0.05, "b2": 0.05}))
     assert pool.waited == 0
     assert seen[:2] == [("start", "b1"), ("start", "b2")]
+
+
+def test_a_job_that_fits_no_room_on_one_gpu_starts_on_another():
+    weights = {"b1": 8, "b2": 8, "b3": 8, "s": 1}
+    slots = plan_slots(4, "cuda", tokens=["0", "1"], cpu_count=16)  # two workers on each GPU
+    pool = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+    seen, devices = [], {}
+
+    def started(key, slot):
+        seen.append(("start", key))
+        devices[key] = slot.device
+    try:
+        for done in pool.run(weighed(weights, {"b1": 0.3, "b2": 0.3, "b3": 0.05, "s": 0.05}), on_start=started):
+            seen.append(("end", done.key))
+    finally:
+        pool.close()
+    assert seen[:2] == [("start", "b1"), ("start", "b2")] and devices["b1"] != devices["b2"]  # one on each GPU
+    assert sorted(k for e, k in seen if e == "end") == sorted(weights)
+    for device in ("cuda:0", "cuda:1"):  # no GPU ever held more than its capacity (or one job alone)
+        on = [(e, k) for e, k in seen if devices[k] == device]
+        assert all(total <= 10 or n == 1 for total, n in running_weights(on, weights))

@@ -133,16 +133,17 @@ def test_a_gpu_runs_case_peaks_are_kept_beside_its_baseline_and_read_back(tmp_pa
     """``memory.csv``: each case's largest phase peak, which later runs of the path read for memory admission."""
     from reports.baselines import PEAKS_NAME, measured_peaks
 
-    rows = rows_of(n_cases=3, run_id="gpu")
+    rows = rows_of(n_cases=4, run_id="gpu")
     cases = [r for r in rows if r.get("type") == "case"]
     for i, row in enumerate(cases):
-        row["peak_gpu_bytes"] = {"impl": (i + 1) << 30, "reference": (i + 2) << 29}
+        row["peak_gpu_bytes"] = {"impl": (i + 1) << 30, "reference": (i + 2) << 30 if i == 1 else 1 << 29}
+    cases[3]["outcome"] = "error"  # an error's phases record what they held before they stopped: left out
     data = load_run(write_rows(rows, tmp_path / "gpu"))
     data.run["env"] = {**data.env, "gpu": "NVIDIA H200"}
     target = save_baseline(data, metrics_table(data), "gate", root=tmp_path / "b")
     assert target == tmp_path / "b" / "h200" / "gate"
     peaks = measured_peaks("h200", "gate", root=tmp_path / "b")
-    assert peaks == {row["case_id"]: max((i + 1) << 30, (i + 2) << 29) for i, row in enumerate(cases)}
+    assert peaks == {cases[0]["case_id"]: 1 << 30, cases[1]["case_id"]: 3 << 30, cases[2]["case_id"]: 3 << 30}
     assert measured_peaks("h100", "gate", root=tmp_path / "b") == {}  # another GPU's: none
 
     # negative control: retaken from a run without GPU peaks, the old file goes (it described another run)
