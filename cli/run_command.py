@@ -21,7 +21,7 @@ from parity.oracles.metamorphic import ORACLES, applicable
 from parity.run import resume as resume_mod
 from parity.run.memory import check_memory
 from parity.run.results import summary_line
-from parity.run.runner import RunConfig, new_run_id, resolve_out_dir, resume_command, run
+from parity.run.runner import RunConfig, new_run_id, resolve_out_dir, resolved_provider, resume_command, run
 from parity.run.shard import parse_workers
 from parity.run.usage import check_run_options
 
@@ -131,7 +131,6 @@ def measured_peaks(suite: str, options) -> Optional[dict]:
         return None
     import torch  # noqa: PLC0415
 
-    from parity.run.runner import resolved_provider  # noqa: PLC0415
     from reports.baselines import arch_of, measured_peaks as read_peaks, name_for  # noqa: PLC0415
 
     arch = arch_of({"gpu": torch.cuda.get_device_name()})

@@ -30,6 +30,7 @@ import os
 import shlex
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
@@ -302,7 +303,7 @@ def _memory_admission(options: RunOptions, device: str, slots: Sequence[Slot], p
     it fits beside any cases within the capacity); nothing on a CPU or with a GPU per worker."""
     if device != "cuda":
         return {}
-    per_device = max(sum(1 for s in slots if s.device == label) for label in {s.device for s in slots})
+    per_device = max(Counter(s.device for s in slots).values())
     if per_device < 2:
         return {}
     provider = resolved_provider(options)  # a case without a model weighs 0

@@ -269,15 +269,16 @@ class WorkerPool:
 
         def admitted(device) -> Optional[_Job]:
             """The next job if it fits ``device`` under memory admission (the class docstring), else None."""
-            if not waiting:
-                if not queue:  # reads the next job from ``jobs`` (only now: a slot is idle and none waits)
-                    return None
-                key, request = queue.pop()
-                waiting.append(_Job(key, request, weight=max(0, int(self.weigh(key)))))
-                if not fits(device, waiting[0]):
-                    self.waited += 1
-            if fits(device, waiting[0]):
-                return waiting.pop()
+            if waiting:
+                return waiting.pop() if fits(device, waiting[0]) else None
+            if not queue:  # reads the next job from ``jobs`` (only now: a slot is idle and none waits)
+                return None
+            key, request = queue.pop()
+            job = _Job(key, request, weight=max(0, int(self.weigh(key))))
+            if fits(device, job):
+                return job
+            self.waited += 1
+            waiting.append(job)
             return None
 
         def release(i: int) -> _Job:

@@ -79,6 +79,7 @@ def test_the_runner_weighs_by_the_measured_peaks_it_is_given(monkeypatch):
 def test_the_cli_reads_the_peaks_of_this_paths_baseline_on_this_gpu(monkeypatch):
     import torch
 
+    import cli.run_command
     import reports.baselines
     from cli.run_command import measured_peaks
 
@@ -87,7 +88,7 @@ def test_the_cli_reads_the_peaks_of_this_paths_baseline_on_this_gpu(monkeypatch)
     asked = []
     monkeypatch.setattr(RunOptions, "torch_device", lambda self: "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(runner, "resolved_provider", lambda options: options.provider)
+    monkeypatch.setattr(cli.run_command, "resolved_provider", lambda options: options.provider)
     monkeypatch.setattr(reports.baselines, "measured_peaks",
                         lambda arch, name, root=None: asked.append((arch, name)) or {"x": 1})
     assert measured_peaks("gate", options) == {"x": 1}
