@@ -4,7 +4,8 @@
 # data (reports/baselines/h200/bench/).
 #   cuda      the CUDA halves of the new tests: draws bit-identical on CPU and CUDA, the reference's ordered gather
 #             gradient bit-identical to autograd's index_put on CUDA, the reference on CUDA
-#   fused     bench --sections gate --gate-runs cold,warm: make parity's gate (fused, cudnn, --workers auto)
+#   fused     bench --sections gate --gate-runs cold,warm,warm: make parity's gate (fused, cudnn, --workers auto);
+#             the second warm run gives the spread between runs
 #   production bench --sections gate --gate-impl megatron --gate-runs warm over the same kernel cache
 #   mps       the warm fused gate under an MPS server (after `fused`: its kernel cache), the workers' kernels concurrent
 #   ops       bench --sections ops over 24 gate cases on the GPU (fused, cudnn): ATen ops per case and phase, the
@@ -27,12 +28,12 @@ for stage in "$@"; do
         tests/reference/test_cuda.py > "$out/pytest-cuda.txt" 2>&1
       note "cuda tests: exit $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$out/pytest-cuda.txt")" ;;
     fused|production)
-      impl=fused runs=cold,warm
+      impl=fused runs=cold,warm,warm
       [ "$stage" = production ] && impl=megatron runs=warm
       python3 -m cli bench --sections gate --gate-impl "$impl" --gate-runs "$runs" --gate-cache-dir "$cache" \
         --gate-dir "/tmp/gate-$stage" --json "$out/bench-$stage.json" --no-plot > "$out/bench-$stage.log" 2>&1
       note "$stage gate bench: exit $? in $(( $(date +%s) - t0 )) s"
-      for run in cold warm; do
+      for run in cold warm; do  # (the repeat's stays: $OUT returns 8 files at most)
         [ -f "/tmp/gate-$stage/$run/results.jsonl" ] && gzip -c "/tmp/gate-$stage/$run/results.jsonl" > "$out/$stage-$run.jsonl.gz"
       done
       python3 - "$out/bench-$stage.json" <<'PY' | tee -a "$out/summary.txt"
@@ -41,6 +42,7 @@ g = json.load(open(sys.argv[1])).get("gate", {})
 for r in g.get("runs", []):
     print(f"  {r.get('run')}: {r.get('wall_s')} s, {r.get('outcomes')}, phases {r.get('phases_s')}, "
           f"wall/impl {r.get('wall_over_impl')}, target {r.get('target_s')} met {r.get('met')}")
+print(f"  spread: {g.get('spread')}")
 PY
       ;;
     mps)  # the warm fused gate again with the workers' kernels under one MPS server (processes share the GPU

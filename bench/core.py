@@ -793,7 +793,8 @@ def evaluate_targets(report: dict, s: Settings) -> list[dict]:
     whole_gate = gate.get("suite") == "gate" and not gate.get("limit") and s.device == "cuda"
     for run in gate.get("runs", []):
         if run.get("target_s") is not None and "wall_s" in run:
-            out.append(_target(f"PR gate, {run['run']} compiled-kernel cache, one H200",
+            again = f" (run {run['repeat']})" if run.get("repeat", 1) > 1 else ""
+            out.append(_target(f"PR gate, {run['run']} compiled-kernel cache{again}, one H200",
                                f"<= {run['target_s'] / 60:g} min, no failure", round(run["wall_s"] / 60, 2), "min",
                                run["met"] if whole_gate else None,
                                f"{gate.get('suite')} suite, {run['cases']} cases {run['outcomes']}, exit "

@@ -84,23 +84,26 @@ def kernel_pace(wall_s: float, cases: int, impl_s: float) -> dict[str, Any]:
 
 def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provider: str, workers: str,
                   limit: Optional[int], timeout_s: Optional[float], make_default: bool = True, impl: str = "fused",
-                  runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict[str, Any]:
-    """One gate run as a subprocess over ``cache_dir``; its wall time, outcomes, phases and compile counters."""
-    out, stats_dir = root / label, root / f"{label}-compile-stats"
+                  runner: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+                  name: Optional[str] = None, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """One gate run as a subprocess over ``cache_dir``, written under ``root / name`` (default the label); its wall
+    time, outcomes, phases and compile counters, judged against the label's target."""
+    name = name or label
+    out, stats_dir = root / name, root / f"{name}-compile-stats"
     for path in (out, stats_dir):
         shutil.rmtree(path, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if k not in CHILD_UNSET}
     env.update({compile_cache.ENV_DIR: str(cache_dir), compile_cache.ENV_STATS: str(stats_dir)})
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = gate_command(suite, provider, workers, out, limit, make_default, impl)
-    start = time.perf_counter()
+    start = clock()
     try:
         proc = runner(cmd, env=env, timeout=timeout_s, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                       text=True)
         code, tail = proc.returncode, (proc.stdout or "")[-2000:]
     except subprocess.TimeoutExpired as exc:
         code, tail = None, f"timed out after {timeout_s} s: " + str(exc.output or "")[-1500:]
-    wall = time.perf_counter() - start
+    wall = clock() - start
     row = {"run": label, "wall_s": round(wall, 2), "exit_code": code, "command": " ".join(cmd[1:]),
            "cache_dir": str(cache_dir), "out": str(out), "output_tail": tail.splitlines()[-6:]}
     row.update(summarize_results(out / "results.jsonl"))
@@ -127,28 +130,50 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
                  limit: Optional[int] = None, runs: Sequence[str] = ("cold", "warm"), impl: str = "fused",
                  cache_dir: Optional[Path] = None, budget_s: Optional[float] = None, make_default: bool = True,
                  log: Callable[[str], None] = lambda _m: None,
-                 runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict[str, Any]:
-    """Run the gate ``runs`` in order over one cache directory (``cold`` empties it first) under ``root``."""
+                 runner: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """Run the gate ``runs`` in order over one cache directory (``cold`` empties it first) under ``root``; a label
+    named again is a repeat of that run (``run_spread``)."""
     root.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache_dir) if cache_dir is not None else root / "kernel-cache"
-    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    deadline = None if budget_s is None else clock() + budget_s
     section: dict[str, Any] = {"suite": suite, "impl": impl, "provider": provider, "workers": workers, "limit": limit,
                                "cache_dir": str(cache_dir), "runs": []}
+    seen: dict[str, int] = {}
     for label in runs:
-        left = None if deadline is None else deadline - time.perf_counter()
+        seen[label] = seen.get(label, 0) + 1
+        name = label if seen[label] == 1 else f"{label}-{seen[label]}"  # a repeat writes beside the first
+        left = None if deadline is None else deadline - clock()
         if left is not None and left <= 10:
-            section["runs"].append({"run": label, "skipped": "budget"})
+            section["runs"].append({"run": label, "repeat": seen[label], "skipped": "budget"})
             continue
         if label == "cold":
             compile_cache.clear(cache_dir)
-        log(f"gate {label}: {suite} suite, impl {impl}, provider {provider}, workers {workers}, cache {cache_dir}")
+        log(f"gate {name}: {suite} suite, impl {impl}, provider {provider}, workers {workers}, cache {cache_dir}")
         row = run_gate_once(label, root, cache_dir, suite=suite, provider=provider, workers=workers, limit=limit,
-                            timeout_s=left, make_default=make_default, impl=impl, runner=runner)
-        log(f"gate {label}: {row['wall_s']} s, {row['outcomes']}, compiled {row['compile']['totals'].get('compiled', 0)}"
+                            timeout_s=left, make_default=make_default, impl=impl, runner=runner, name=name,
+                            clock=clock)
+        row["repeat"] = seen[label]
+        log(f"gate {name}: {row['wall_s']} s, {row['outcomes']}, compiled {row['compile']['totals'].get('compiled', 0)}"
             f" kernels in {row['compile']['totals'].get('compile_s', 0)} s, loaded "
             f"{row['compile']['totals'].get('loaded', 0)}")
         section["runs"].append(row)
-    done = {r["run"]: r for r in section["runs"] if "out" in r}
-    if "cold" in done and "warm" in done:
-        section["cold_vs_warm"] = compare_outcomes(Path(done["cold"]["out"]), Path(done["warm"]["out"]))
+    done = [r for r in section["runs"] if "out" in r]
+    first = {r["run"]: r for r in reversed(done)}
+    if "cold" in first and "warm" in first:
+        section["cold_vs_warm"] = compare_outcomes(Path(first["cold"]["out"]), Path(first["warm"]["out"]))
+    spreads = run_spread(done)
+    if spreads:
+        section["spread"] = spreads
     return section
+
+
+def run_spread(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{run label: {runs, wall_s: [...], min_s, max_s, spread}}`` for each label run more than once, ``spread`` =
+    (max - min) / min of their wall times: how far one measurement of the same gate on the same machine can move."""
+    walls: dict[str, list[float]] = {}
+    for row in rows:
+        walls.setdefault(row["run"], []).append(row["wall_s"])
+    return {label: {"runs": len(w), "wall_s": w, "min_s": min(w), "max_s": max(w),
+                    "spread": round((max(w) - min(w)) / min(w), 3) if min(w) > 0 else None}
+            for label, w in walls.items() if len(w) > 1}

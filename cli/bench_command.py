@@ -144,7 +144,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> dict:
     p.add_argument("--gate-provider", default="cudnn", help="--provider of the gate runs (default cudnn)")
     p.add_argument("--gate-workers", default="auto", help="--workers of the gate runs (default auto)")
     p.add_argument("--gate-limit", type=int, help="--limit of the gate runs (default: the whole suite)")
-    p.add_argument("--gate-runs", help="cold and/or warm, in order (default cold,warm; cold empties the cache)")
+    p.add_argument("--gate-runs", help="cold and/or warm, in order (default cold,warm; cold empties the cache); a label named again is a "
+                        "repeat (warm,warm: written to warm and warm-2) and the section reports the spread of their wall times")
     p.add_argument("--gate-cache-dir", help="compiled-kernel cache of the gate runs (default <gate dir>/kernel-cache)")
     p.add_argument("--gate-budget-s", type=float,
                    help="deadline of the gate section in seconds (default none): runs that cannot start are skipped, "

@@ -86,10 +86,28 @@ def test_a_failure_or_a_changed_verdict_is_reported(tmp_path):
     assert section["cold_vs_warm"] == {"common_cases": 2, "differing": ["c1"], "agree": False}
 
 
+def test_a_repeated_run_is_kept_beside_the_first_and_its_spread_reported(tmp_path):
+    runner = fake_gate({"cold": ["pass"], "warm": ["pass"], "warm-2": ["pass"]}, {"cold": 1, "warm": 0, "warm-2": 0},
+                       [])
+    clock = iter([0.0, 100.0, 100.0, 150.0, 150.0, 210.0])
+    section = bench_gate.gate_section(tmp_path / "g", runs=("cold", "warm", "warm"), runner=runner,
+                                      clock=lambda: next(clock))
+    cold, warm, again = section["runs"]
+    assert (warm["run"], warm["repeat"], again["run"], again["repeat"]) == ("warm", 1, "warm", 2)
+    assert Path(again["out"]).name == "warm-2" and Path(warm["out"]).name == "warm"  # the repeat overwrote nothing
+    assert again["target_s"] == 60  # judged as a warm run
+    assert section["spread"] == {"warm": {"runs": 2, "wall_s": [50.0, 60.0], "min_s": 50.0, "max_s": 60.0,
+                                          "spread": 0.2}}
+    # negative control: runs named once each have no spread
+    single = bench_gate.gate_section(tmp_path / "h", runs=("cold", "warm"),
+                                     runner=fake_gate({"cold": ["pass"], "warm": ["pass"]}, {"cold": 1, "warm": 0}, []))
+    assert "spread" not in single
+
+
 def test_budget_skips_runs_that_cannot_start(tmp_path):
     runner = fake_gate({"cold": ["pass"]}, {"cold": 1}, [])
     section = bench_gate.gate_section(tmp_path / "g", runs=("cold",), budget_s=5, runner=runner)
-    assert section["runs"] == [{"run": "cold", "skipped": "budget"}]
+    assert section["runs"] == [{"run": "cold", "repeat": 1, "skipped": "budget"}]
 
 
 def test_summarize_tolerates_a_torn_last_line(tmp_path):
