@@ -48,10 +48,11 @@ def least_need(text: str) -> Optional[tuple[int, int]]:
 
 def beyond_device(text: str) -> Optional[str]:
     """A sentence when torch's out-of-memory ``text`` shows that the case needs more than the whole GPU (a re-run
-    alone on it would run out again), else None."""
+    alone on it would run out again), else None. Whole GiB (the need rounded up, the capacity down), so the sentence
+    is one unsupported reason per GPU model (:func:`reports.coverage_gate.reason_key` reads integers as ``N``)."""
     need = least_need(text)
     if need is None or need[0] <= need[1]:
         return None
     gib = 1 << 30
-    return (f"needs at least {need[0] / gib:.2f} GiB of GPU memory (held + asked when it ran out), more than the GPU's "
-            f"{need[1] / gib:.2f} GiB: a larger GPU runs it")
+    return (f"needs at least {-(-need[0] // gib)} GiB of GPU memory (held + asked when it ran out), more than the "
+            f"GPU's {need[1] // gib} GiB: a larger GPU runs it")

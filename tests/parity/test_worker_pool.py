@@ -137,10 +137,48 @@ def _engine_row(monkeypatch, exc):
     return execute({"case": case.to_dict(), "options": asdict(engine.RunOptions(device="cpu")), "oracle": None})[0]
 
 
+def test_an_implementation_that_needs_more_than_the_whole_gpu_is_unsupported_there(monkeypatch):
+    """torch's message bounds the implementation's need from below (held + asked); past the GPU's capacity no re-run
+    can do the case on this GPU: ``unsupported`` (rule ``device-memory``), one reason per GPU model for the coverage
+    gate, torch's own message kept in ``first_failure``. Controls: a need that fits stays an ``error`` (the pool
+    re-runs it alone), and the harness's own phases running out stay an ``error`` whatever the need."""
+    import torch
+
+    from parity import engine
+    from reports.coverage_gate import reason_key
+    from tests.parity.pool_child import OOM, OOM_BEYOND
+
+    row = _engine_row(monkeypatch, torch.OutOfMemoryError(OOM_BEYOND))
+    assert (row["outcome"], row["decided_by"]) == ("unsupported", "device-memory")
+    assert row["message"] == ("fused run: needs at least 82 GiB of GPU memory (held + asked when it ran out), more "
+                              "than the GPU's 79 GiB: a larger GPU runs it")
+    assert "Tried to allocate 19.61 GiB" in row["first_failure"]["message"]
+    other = _engine_row(monkeypatch, torch.OutOfMemoryError(OOM_BEYOND.replace("19.61 GiB", "23.07 GiB")))
+    assert other["outcome"] == "unsupported" and other["message"] != row["message"]
+    assert reason_key(other["message"]) == reason_key(row["message"])  # one reason on this GPU model
+    # controls: a need that fits the GPU; the reference (the harness's own phase) needing more than the GPU
+    assert _engine_row(monkeypatch, torch.OutOfMemoryError(OOM))["outcome"] == "error"
+    monkeypatch.undo()
+
+    def reference_beyond(*args, **kwargs):
+        raise torch.OutOfMemoryError(OOM_BEYOND)
+
+    monkeypatch.setattr(engine, "reference_runs", reference_beyond)
+    from dataclasses import asdict
+
+    from parity.run.execution import execute
+    from tests.parity.helpers import pick
+
+    ref = execute({"case": pick("smoke").to_dict(), "options": asdict(engine.RunOptions(device="cpu")),
+                   "oracle": None})[0]
+    assert ref["outcome"] == "error" and ref["message"].startswith("reference runs: OutOfMemoryError")
+    assert is_out_of_memory(ref)
+
+
 def test_out_of_memory_is_recognised_in_the_rows_the_engine_writes(monkeypatch):
     import torch
 
-    row = _engine_row(monkeypatch, torch.OutOfMemoryError(TORCH_OOM))
+    row = _engine_row(monkeypatch, torch.OutOfMemoryError(TORCH_OOM.replace("32768.00 GiB", "2.00 GiB")))  # fits
     assert row["outcome"] == "error" and row["message"].startswith("fused run: OutOfMemoryError: CUDA out of memory.")
     assert is_out_of_memory(row)
     assert is_out_of_memory(_engine_row(monkeypatch, torch.cuda.OutOfMemoryError("Tried to allocate 2.00 GiB")))
@@ -350,8 +388,8 @@ def test_a_case_that_needs_more_than_the_whole_gpu_is_not_re_run_alone(tmp_path)
     huge = next(f for f in done if f.key == "huge")
     assert huge.rows[0]["outcome"] == "error" and is_out_of_memory(huge.rows[0])
     assert "retried" not in huge.rows[0] and huge.retried is None
-    assert "needs at least 81.77 GiB of GPU memory" in huge.rows[0]["message"]
-    assert "more than the GPU's 79.18 GiB" in huge.rows[0]["message"] and "not re-run alone" in huge.rows[0]["message"]
+    assert "needs at least 82 GiB of GPU memory" in huge.rows[0]["message"]  # 81.77 GiB rounded up
+    assert "more than the GPU's 79 GiB" in huge.rows[0]["message"] and "not re-run alone" in huge.rows[0]["message"]
     assert [e[0] for e in events(tmp_path) if e[1] == "huge"] == ["start", "end"]  # ran once
     big = next(f for f in done if f.key == "big")
     assert big.rows[0]["retried"] and big.rows[0]["outcome"] == "pass"  # control: a case that fits was re-run
