@@ -14,8 +14,9 @@
 #   12d     12d3cc03e3 (its parent): must fail, naming the fused-path tensors
 #   probe   not a gate: .ci/probes/gather_backward.py on e0e0647850c7 at head (whether the gather-backward-atomic
 #           stand-in hooks production's KV gather there, and the deterministic flag its scatter runs under)
-# The unfused path needs more than an 80 GB card on 8 gate cases (78-88 GiB, H100 runs of 2026-12-06): its stages
-# belong on an H200 (the device tool's needs_h200); PATHS=cudnn runs on either card.
+# The unfused path needs more than an 80 GB card on 8 gate cases (78-88 GiB, H100 runs of 2026-12-06): on an H100
+# those are `unsupported` (rule device-memory) and its baseline is the H100's own (h100/megatron-unfused-gate); the
+# H200 runs them. The unfused path needs none of the GPU packages (no step 1 / step 2).
 # DEADLINE=S (seconds this call may spend, default 560) stops the gate in time; the next call resumes it
 # (`dsv4-parity gate --out DIR --resume`, the README's way to continue a killed `make parity`).
 # What comes back: $OUT/summary.txt (every gate's closing summary) and $OUT/pr-gate-<stage>-<paths>-<arch>.tar.gz
