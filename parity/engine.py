@@ -320,14 +320,14 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
-        # out of memory is the machine's condition, not the case's: an ``error``, which a shared GPU re-runs alone;
-        # unless the implementation's own run needs more than the whole GPU (torch's message says how much it held
-        # and asked for): then no re-run can do the case on this GPU, as a kernel that refuses a shape cannot
-        beyond = out_of_memory.beyond_device(str(exc)) if stage.startswith(impl.name) and \
-            backward_origin.out_of_memory(exc) else None
-        if beyond:
+        in_impl_run = stage.startswith(f"{impl.name} run")
+        result.failed_at = {"stage": stage, "implementation_run": in_impl_run}
+        # out of memory is the machine's condition, not the case's: an ``error``, which a shared GPU re-runs alone
+        # (parity.run.worker); unless the implementation's own run needs more than the whole GPU by torch's numbers
+        # (held + asked): no re-run can do the case on this GPU, as a kernel that refuses a shape cannot
+        if in_impl_run and backward_origin.out_of_memory(exc) and out_of_memory.beyond_device(str(exc)):
             result.first_failure = {"tensor": None, "rule": "device-memory", "message": one_line(exc)}
-            return finish("unsupported", "device-memory", f"{stage}: {beyond}")
+            return finish("unsupported", "device-memory", out_of_memory.does_not_fit(stage, str(exc)))
         own = impl.raised_in_own_code(exc) if stage.startswith(impl.name) and \
             not backward_origin.out_of_memory(exc) else None
         if own:  # the code under test raised on a valid case: its behaviour (a failure), not a harness error

@@ -48,11 +48,26 @@ def least_need(text: str) -> Optional[tuple[int, int]]:
 
 def beyond_device(text: str) -> Optional[str]:
     """A sentence when torch's out-of-memory ``text`` shows that the case needs more than the whole GPU (a re-run
-    alone on it would run out again), else None. Whole GiB (the need rounded up, the capacity down), so the sentence
-    is one unsupported reason per GPU model (:func:`reports.coverage_gate.reason_key` reads integers as ``N``)."""
+    alone on it would run out again), else None."""
     need = least_need(text)
     if need is None or need[0] <= need[1]:
         return None
+    return f"needs at least {_gib(need[0], up=True)} GiB of GPU memory (held + asked when it ran out), more than the " \
+           f"GPU's {_gib(need[1])} GiB: a larger GPU runs it"
+
+
+def does_not_fit(stage: str, text: str) -> Optional[str]:
+    """The ``unsupported`` message of a case whose implementation run does not fit the GPU even alone on it (torch's
+    out-of-memory ``text``: past the capacity by its own numbers, or out of memory in a re-run alone), or None where
+    ``text`` is not torch's message. Whole GiB (the need rounded up, the capacity down), so it is one unsupported reason
+    per GPU model and stage (:func:`reports.coverage_gate.reason_key` reads integers as ``N``)."""
+    need = least_need(text)
+    if need is None:
+        return None
+    return (f"{stage}: does not fit the GPU's {_gib(need[1])} GiB even alone: needs at least {_gib(need[0], up=True)} "
+            f"GiB of GPU memory (held + asked when it ran out); a larger GPU runs it")
+
+
+def _gib(n: int, up: bool = False) -> int:
     gib = 1 << 30
-    return (f"needs at least {-(-need[0] // gib)} GiB of GPU memory (held + asked when it ran out), more than the "
-            f"GPU's {need[1] // gib} GiB: a larger GPU runs it")
+    return -(-n // gib) if up else n // gib

@@ -58,6 +58,7 @@ class CaseResult:
     not_provided: dict = field(default_factory=dict)  # {tensor: why the implementation has none}
     precision: Optional[str] = None  # the implementation's declared working precision, when below the case dtype
     known: Optional[dict] = None  # the known deviation that matched ({id, status, ...}), see parity.deviations.known
+    failed_at: Optional[dict] = None  # an exception's {stage, implementation_run}: where the case stopped
 
     @property
     def case_id(self) -> str:
@@ -82,6 +83,8 @@ class CaseResult:
             out["precision"] = self.precision
         if self.known:
             out["known"] = self.known
+        if self.failed_at:
+            out["failed_at"] = self.failed_at
         return out
 
     def rows(self) -> list[dict]:
@@ -119,7 +122,7 @@ class CaseResult:
                    plan=head["plan"], topk=head["topk"],
                    tensors=list(tensors.values()), sign_split=head.get("sign_split"),
                    not_provided=head.get("not_provided") or {}, precision=head.get("precision"),
-                   known=head.get("known"))
+                   known=head.get("known"), failed_at=head.get("failed_at"))
 
 
 def dumps(row: dict) -> str:

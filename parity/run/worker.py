@@ -25,7 +25,9 @@ pending, no new job goes to that device; when none of its workers is busy any mo
 device are stopped (an idle child keeps its CUDA context and the caching allocator's blocks), the job runs again and
 the device's other workers wait until it ends. Its answer is yielded whatever its outcome, the case row carrying the
 additive field ``retried: "out of memory while sharing <device> with <k> workers; re-run alone"`` (``k``: the pool's
-workers on that device). Other devices keep taking jobs meanwhile. A retried job was already handed out, so it is
+workers on that device); where the implementation's own run (the row's ``failed_at``) ran out of memory again, alone,
+the case does not fit that GPU and the row becomes ``unsupported`` (rule ``device-memory``), as it does on a GPU with
+one worker. Other devices keep taking jobs meanwhile. A retried job was already handed out, so it is
 not read again from ``jobs``: a time budget that stops ``jobs`` does not stop a pending retry. With one worker per
 device nothing is retried.
 """
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from parity.run.out_of_memory import beyond_device, says_out_of_memory
+from parity.run.out_of_memory import beyond_device, does_not_fit, says_out_of_memory
 
 MARK = "@@dsv4-parity@@ "
 REPO = Path(__file__).resolve().parents[2]
@@ -76,6 +78,23 @@ def _note_beyond_device(row: dict) -> Optional[str]:
             if isinstance(holder.get("message"), str) and beyond not in holder["message"]:
                 holder["message"] += f" [{beyond}; not re-run alone]"
     return beyond
+
+
+def _alone_does_not_fit(row: dict) -> None:
+    """A case re-run alone on its GPU whose implementation run ran out of memory again does not fit that GPU: its
+    row becomes ``unsupported`` (rule ``device-memory``, the message of
+    :func:`parity.run.out_of_memory.does_not_fit`, as when torch's numbers alone show it; torch's message kept in
+    ``first_failure``). Out of memory in the harness's own phases, or a message without torch's numbers, stays an
+    ``error``."""
+    where = row.get("failed_at") if isinstance(row.get("failed_at"), dict) else {}
+    if not (is_out_of_memory(row) and where.get("implementation_run")):
+        return
+    first = row.get("first_failure") if isinstance(row.get("first_failure"), dict) else {}
+    text = first.get("message") or row.get("message") or ""
+    sentence = does_not_fit(str(where.get("stage")), text)
+    if sentence is not None:
+        row.update(outcome="unsupported", decided_by="device-memory", message=sentence,
+                   first_failure={"tensor": None, "rule": "device-memory", "message": text})
 
 
 def is_out_of_memory(row: Any) -> bool:
@@ -351,6 +370,8 @@ class WorkerPool:
                         continue
                     if rows and job.retried is not None:
                         rows[0]["retried"] = job.retried
+                    if rows and (job.retried is not None or sharing[device] == 1):  # it had the GPU to itself
+                        _alone_does_not_fit(rows[0])
                     yield Finished(job.key, rows, why, w.slot, job.retried)
                 now = time.monotonic()
                 for i in [i for i, (_, deadline, _) in busy.items() if deadline <= now]:

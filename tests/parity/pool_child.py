@@ -76,6 +76,8 @@ def main() -> None:
         row = {"type": "case", "case_id": request["id"], "outcome": "error" if message else "pass",
                "message": message, "pid": os.getpid(),
                "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "DSV4_PARITY_THREADS", "OMP_NUM_THREADS")}}
+        if message and request.get("failed_at"):  # where parity.engine says the case stopped
+            row["failed_at"] = request["failed_at"]
         answer = MARK + json.dumps([row]) + "\n"
         if what == "noise":  # a stray line arriving in the same read as the answer
             answer = "a library printed this\n" + answer

@@ -150,8 +150,9 @@ def test_an_implementation_that_needs_more_than_the_whole_gpu_is_unsupported_the
 
     row = _engine_row(monkeypatch, torch.OutOfMemoryError(OOM_BEYOND))
     assert (row["outcome"], row["decided_by"]) == ("unsupported", "device-memory")
-    assert row["message"] == ("fused run: needs at least 82 GiB of GPU memory (held + asked when it ran out), more "
-                              "than the GPU's 79 GiB: a larger GPU runs it")
+    assert row["message"] == ("fused run: does not fit the GPU's 79 GiB even alone: needs at least 82 GiB of GPU "
+                              "memory (held + asked when it ran out); a larger GPU runs it")
+    assert row["failed_at"] == {"stage": "fused run", "implementation_run": True}
     assert "Tried to allocate 19.61 GiB" in row["first_failure"]["message"]
     other = _engine_row(monkeypatch, torch.OutOfMemoryError(OOM_BEYOND.replace("19.61 GiB", "23.07 GiB")))
     assert other["outcome"] == "unsupported" and other["message"] != row["message"]
@@ -172,6 +173,7 @@ def test_an_implementation_that_needs_more_than_the_whole_gpu_is_unsupported_the
     ref = execute({"case": pick("smoke").to_dict(), "options": asdict(engine.RunOptions(device="cpu")),
                    "oracle": None})[0]
     assert ref["outcome"] == "error" and ref["message"].startswith("reference runs: OutOfMemoryError")
+    assert ref["failed_at"] == {"stage": "reference runs", "implementation_run": False}
     assert is_out_of_memory(ref)
 
 
@@ -301,6 +303,33 @@ def test_a_retry_that_runs_out_of_memory_again_is_yielded(tmp_path):
     assert oom.rows[0]["outcome"] == "error" and is_out_of_memory(oom.rows[0])
     assert oom.rows[0]["retried"] == "out of memory while sharing cuda:0 with 2 workers; re-run alone"
     assert [e[0] for e in events(tmp_path) if e[1] == "oom"] == ["start", "end", "start", "end"]
+
+
+def test_the_implementation_running_out_of_memory_alone_on_the_gpu_does_not_fit_it(tmp_path):
+    """A case whose implementation run (the row's ``failed_at``) runs out of memory again alone on the GPU does not
+    fit that GPU, whatever torch's lower bound says (a 78 GiB need failed alone on a 79 GiB H100, 2026-12-06): the
+    re-run's row is ``unsupported`` (rule ``device-memory``). The same holds on a GPU with one worker (it ran alone).
+    Controls: out of memory in the harness's own phases stays an ``error`` (and so does the test above, whose row says
+    nothing of where it stopped); a first run that shares the GPU is re-run, not judged."""
+    impl = {"failed_at": {"stage": "megatron run", "implementation_run": True}}
+    harness = {"failed_at": {"stage": "reference runs", "implementation_run": False}}
+    items = oom_jobs(tmp_path, ("impl", "oom", 0.0, impl), ("ref", "oom", 0.0, harness), ("p", "pass", 0.0))
+    done = {f.key: f for f in run_list(WorkerPool(plan_slots(2, "cuda", tokens=["0"]), timeout=30, command=CHILD),
+                                       items)}
+    row = done["impl"].rows[0]
+    assert (row["outcome"], row["decided_by"]) == ("unsupported", "device-memory") and row["retried"]
+    assert row["message"] == ("megatron run: does not fit the GPU's 139 GiB even alone: needs at least 11 GiB of GPU "
+                              "memory (held + asked when it ran out); a larger GPU runs it")
+    assert row["first_failure"]["message"].startswith("impl: OutOfMemoryError: CUDA out of memory.")
+    assert [e[0] for e in events(tmp_path) if e[1] == "impl"] == ["start", "end", "start", "end"]  # re-run first
+    assert done["ref"].rows[0]["outcome"] == "error" and done["ref"].rows[0]["retried"]
+    # one worker on the GPU: no re-run, the first answer had the GPU to itself
+    items = oom_jobs(tmp_path / "one", ("impl", "oom", 0.0, impl), ("ref", "oom", 0.0, harness))
+    (tmp_path / "one").mkdir()
+    alone = {f.key: f for f in run_list(WorkerPool(plan_slots(1, "cuda", tokens=["0"]), timeout=30, command=CHILD),
+                                        items)}
+    assert alone["impl"].rows[0]["outcome"] == "unsupported" and "retried" not in alone["impl"].rows[0]
+    assert alone["ref"].rows[0]["outcome"] == "error"
 
 
 def test_a_retry_that_crashes_is_yielded_with_its_note(tmp_path):
