@@ -14,7 +14,7 @@
 #   12d     12d3cc03e3 (its parent): must fail, naming the fused-path tensors
 #   probe   not a gate: .ci/probes/gather_backward.py on e0e0647850c7 at head (whether the gather-backward-atomic
 #           stand-in hooks production's KV gather there, and the deterministic flag its scatter runs under)
-# The unfused path needs more than an 80 GB card on 8 gate cases (78-88 GiB, H100 runs of 2026-12-06): on an H100
+# The unfused path needs more than an 80 GB card on 9 gate cases (78-92 GiB, H100 runs of 2026-12-06): on an H100
 # those are `unsupported` (rule device-memory) and its baseline is the H100's own (h100/megatron-unfused-gate); the
 # H200 runs them. The unfused path needs none of the GPU packages (no step 1 / step 2).
 # DEADLINE=S (seconds this call may spend, default 560) stops the gate in time; the next call resumes it

@@ -200,6 +200,10 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     for s in sections:
         if s not in SECTIONS + OPT_IN_SECTIONS:
             raise CaseError("sections", f"unknown section {s!r} (known: {', '.join(SECTIONS + OPT_IN_SECTIONS)})")
+    for run in _csv(args.gate_runs) or []:
+        if run not in ("cold", "warm"):
+            raise CaseError("gate-runs", f"unknown run {run!r} (runs are cold and warm, in order; name one again to "
+                                         "repeat it: cold,warm,warm)")
     scopes = _csv(args.scope) or ["core", "layer"]
     for s in scopes:
         if s not in ("core", "layer"):

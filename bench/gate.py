@@ -51,7 +51,8 @@ def summarize_results(path: Path) -> dict[str, Any]:
     cases = len(rows)
     total = sum(phases.values()) or 1.0
     return {"cases": cases, "outcomes": outcomes, "phases_s": {k: round(v, 2) for k, v in phases.items()},
-            "phase_share": {k: round(v / total, 4) for k, v in phases.items()}}
+            "phase_share": {k: round(v / total, 4) for k, v in phases.items()},
+            "device_memory": sum(row.get("decided_by") == "device-memory" for row in rows)}
 
 
 def collect_compile_stats(stats_dir: Path) -> dict[str, Any]:
@@ -70,6 +71,9 @@ def collect_compile_stats(stats_dir: Path) -> dict[str, Any]:
     stores = sorted({d["store"] for d in docs if d.get("store")})
     off = sorted({d["off"] for d in docs if d.get("off")})
     return {"processes": len(docs), "per_kernel": per_kernel, "totals": totals, "stores": stores, "off": off}
+
+
+RUN_LABELS = ("cold", "warm")  # cold empties the compiled-kernel cache first; warm runs over it as it is
 
 
 def kernel_pace(wall_s: float, cases: int, impl_s: float) -> dict[str, Any]:
@@ -112,7 +116,9 @@ def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provid
     target = TARGETS.get(f"{'pr' if impl == 'fused' else 'production'}_gate_{label}_s")
     failed = row["outcomes"].get("fail", 0) + row["outcomes"].get("error", 0)
     row["target_s"] = target
-    row["met"] = None if target is None else bool(wall <= target and code == 0 and failed == 0)
+    # a case that did not fit the GPU (rule device-memory) is work the gate skipped: its time is not the gate's
+    row["met"] = None if target is None else bool(wall <= target and code == 0 and failed == 0
+                                                  and not row["device_memory"])
     return row
 
 
@@ -139,6 +145,10 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
     deadline = None if budget_s is None else clock() + budget_s
     section: dict[str, Any] = {"suite": suite, "impl": impl, "provider": provider, "workers": workers, "limit": limit,
                                "cache_dir": str(cache_dir), "runs": []}
+    unknown = sorted(set(runs) - set(RUN_LABELS))
+    if unknown:
+        raise ValueError(f"--gate-runs: unknown run {', '.join(unknown)} (runs are {' and '.join(RUN_LABELS)}, in "
+                         "order; name one again to repeat it)")
     seen: dict[str, int] = {}
     for label in runs:
         seen[label] = seen.get(label, 0) + 1
@@ -162,6 +172,10 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
     first = {r["run"]: r for r in reversed(done)}
     if "cold" in first and "warm" in first:
         section["cold_vs_warm"] = compare_outcomes(Path(first["cold"]["out"]), Path(first["warm"]["out"]))
+    repeats = {f"{r['run']}-{r['repeat']}": compare_outcomes(Path(first[r["run"]]["out"]), Path(r["out"]))
+               for r in done if r["repeat"] > 1}
+    if repeats:  # the same gate again must give the same verdicts
+        section["repeat_vs_first"] = repeats
     spreads = run_spread(done)
     if spreads:
         section["spread"] = spreads
@@ -169,10 +183,14 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
 
 
 def run_spread(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``{run label: {runs, wall_s: [...], min_s, max_s, spread}}`` for each label run more than once, ``spread`` =
-    (max - min) / min of their wall times: how far one measurement of the same gate on the same machine can move."""
+    """``{run label: {runs, wall_s: [...], min_s, max_s, spread}}`` for each label run to its end more than once over
+    the same cases, ``spread`` = (max - min) / min of their wall times: how far one measurement of the same gate on the
+    same machine can move."""
     walls: dict[str, list[float]] = {}
-    for row in rows:
+    cases: dict[str, int] = {}
+    for row in rows:  # only complete runs of the same cases: a timed-out run's wall time is its deadline
+        if row.get("exit_code") is None or cases.setdefault(row["run"], row["cases"]) != row["cases"]:
+            continue
         walls.setdefault(row["run"], []).append(row["wall_s"])
     return {label: {"runs": len(w), "wall_s": w, "min_s": min(w), "max_s": max(w),
                     "spread": round((max(w) - min(w)) / min(w), 3) if min(w) > 0 else None}

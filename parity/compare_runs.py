@@ -145,7 +145,8 @@ def compare_case(cid: str, a: RunRecord, b: RunRecord, rel_tol: float = 0.0,
     """Every difference between the two runs' results for case ``cid`` (see the module docstring)."""
     out = []
     ca, cb = a.cases[cid], b.cases[cid]
-    errors = ca.get("outcome") == "error" and cb.get("outcome") == "error"
+    errors = (ca.get("outcome") == "error" and cb.get("outcome") == "error") or \
+        (ca.get("decided_by") == "device-memory" and cb.get("decided_by") == "device-memory")  # numbers move
     fields = CASE_FIELDS if not verdicts_only else VERDICT_CASE_FIELDS + (("message",) if errors else ())
     for name in fields:
         va, vb = ca.get(name), cb.get(name)

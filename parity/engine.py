@@ -325,7 +325,7 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
         # out of memory is the machine's condition, not the case's: an ``error``, which a shared GPU re-runs alone
         # (parity.run.worker); unless the implementation's own run needs more than the whole GPU by torch's numbers
         # (held + asked): no re-run can do the case on this GPU, as a kernel that refuses a shape cannot
-        if in_impl_run and backward_origin.out_of_memory(exc) and out_of_memory.beyond_device(str(exc)):
+        if in_impl_run and backward_origin.out_of_memory(exc) and out_of_memory.plausible_need(str(exc), alone=False):
             result.first_failure = {"tensor": None, "rule": "device-memory", "message": one_line(exc)}
             return finish("unsupported", "device-memory", out_of_memory.does_not_fit(stage, str(exc)))
         own = impl.raised_in_own_code(exc) if stage.startswith(impl.name) and \

@@ -3,8 +3,8 @@
 One case's rows (``case``, then its ``tensor`` rows, then their ``metric`` rows) are appended in one unbuffered
 write and fsynced. The ``case`` row carries ``n_rows``, the number of ``tensor`` + ``metric`` rows that follow it
 (:func:`sealed`), so a case cut off by a kill or a full disk is recognisable. :func:`read_for_resume` keeps only the
-*finished* cases — a ``case`` row followed by all its ``n_rows`` rows, whose outcome is not ``error`` (an error is
-retried) — and drops everything else: torn lines, cut-off cases, errored cases and the closing ``end`` row; the run
+*finished* cases — a ``case`` row followed by all its ``n_rows`` rows, whose outcome is not ``error`` nor a GPU's
+``device-memory`` refusal (both run again, :func:`_again`) — and drops everything else: torn lines, cut-off cases, errored cases and the closing ``end`` row; the run
 then appends to the same file. A write that fails (disk full, file-size limit) raises :class:`ResultsWriteError`.
 
 Every line is strict JSON: a NaN metric value is written as ``null`` and ±inf as ±1.7976931348623157e308 (the
@@ -127,6 +127,12 @@ class CaseResult:
 
 def dumps(row: dict) -> str:
     return json.dumps(row, separators=(",", ":"), allow_nan=False)
+
+
+def _again(case_row: dict) -> bool:
+    """Whether a resumed run runs this case again: an ``error``, and a case that did not fit its GPU (rule
+    ``device-memory``: a run resumed on a larger GPU may fit it; on the same GPU it declines again in seconds)."""
+    return case_row.get("outcome") == "error" or case_row.get("decided_by") == "device-memory"
 
 
 def sealed(rows: list[dict]) -> list[dict]:
@@ -274,8 +280,8 @@ def read_for_resume(path: Path) -> Existing:
     except OSError as exc:
         raise ResultsWriteError(exc.errno, f"cannot read {path}: {exc.strerror}") from None
     blocks, cut = case_blocks(rows)
-    finished = {b[0]["case_id"]: b for b in blocks if b[0].get("outcome") != "error"}
-    errored = [b[0]["case_id"] for b in blocks if b[0].get("outcome") == "error" and b[0]["case_id"] not in finished]
+    finished = {b[0]["case_id"]: b for b in blocks if not _again(b[0])}
+    errored = [b[0]["case_id"] for b in blocks if _again(b[0]) and b[0]["case_id"] not in finished]
     run_rows = [r for r in rows if r["type"] == "run"]
     kept = run_rows[:1] + [r for block in finished.values() for r in block]
     tmp = path.with_suffix(".jsonl.tmp")

@@ -21,13 +21,15 @@ with other workers of the pool, is not yielded: it is re-run once *alone on that
 shows that the case needs more memory than the whole GPU (what it held plus what it asked for, over the total
 capacity: :func:`parity.run.out_of_memory.beyond_device`); such a row is yielded at once, its message saying so
 (a re-run alone would run out again, and it would hold the device's other workers back). As soon as such a retry is
-pending, no new job goes to that device; when none of its workers is busy any more, the other idle children of the
-device are stopped (an idle child keeps its CUDA context and the caching allocator's blocks), the job runs again and
+pending, no new job goes to that device; when none of its workers is busy any more, the device's idle children are
+stopped, the one taking the re-run included (an idle child keeps its CUDA context, loaded kernels and the caching
+allocator's blocks): the job runs again in a fresh child and
 the device's other workers wait until it ends. Its answer is yielded whatever its outcome, the case row carrying the
 additive field ``retried: "out of memory while sharing <device> with <k> workers; re-run alone"`` (``k``: the pool's
 workers on that device); where the implementation's own run (the row's ``failed_at``) ran out of memory again, alone,
-the case does not fit that GPU and the row becomes ``unsupported`` (rule ``device-memory``), as it does on a GPU with
-one worker. Other devices keep taking jobs meanwhile. A retried job was already handed out, so it is
+within 10 % of the GPU's capacity by torch's numbers and with no other process named as holding memory
+(:func:`parity.run.out_of_memory.plausible_need`), the case does not fit that GPU and the row becomes ``unsupported``
+(rule ``device-memory``), as it does on a GPU with one worker. Other devices keep taking jobs meanwhile. A retried job was already handed out, so it is
 not read again from ``jobs``: a time budget that stops ``jobs`` does not stop a pending retry. With one worker per
 device nothing is retried.
 """
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from parity.run.out_of_memory import beyond_device, does_not_fit, says_out_of_memory
+from parity.run.out_of_memory import beyond_device, does_not_fit, plausible_need, says_out_of_memory
 
 MARK = "@@dsv4-parity@@ "
 REPO = Path(__file__).resolve().parents[2]
@@ -90,9 +92,10 @@ def _alone_does_not_fit(row: dict) -> None:
     if not (is_out_of_memory(row) and where.get("implementation_run")):
         return
     first = row.get("first_failure") if isinstance(row.get("first_failure"), dict) else {}
-    text = first.get("message") or row.get("message") or ""
-    sentence = does_not_fit(str(where.get("stage")), text)
-    if sentence is not None:
+    stage, text = str(where.get("stage")), first.get("message") or row.get("message") or ""
+    sentence = does_not_fit(stage, text) if plausible_need(text, alone=True) else None
+    if sentence is not None:  # torch's message as the engine keeps it (no "<stage>: " before it)
+        text = text[len(stage) + 2:] if text.startswith(stage + ": ") else text
         row.update(outcome="unsupported", decided_by="device-memory", message=sentence,
                    first_failure={"tensor": None, "rule": "device-memory", "message": text})
 
@@ -319,7 +322,7 @@ class WorkerPool:
                 retries.remove(retry)
                 alone[device] = i
                 for j, other in enumerate(self.workers):
-                    if j != i and labels[j] == device and other.alive:
+                    if labels[j] == device and other.alive:  # its own child too: the retry starts a fresh one
                         other.stop()  # an idle child still holds its CUDA context and cached blocks
                 return retry
             if self.weigh is not None:

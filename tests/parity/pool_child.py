@@ -37,6 +37,15 @@ OOM_BEYOND = (
     "(https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf) "
     "[judge/snapshot.py:take_snapshot:142]")
 
+#: torch 2.11.0+cu130 on an H100 80GB, gate case 1c5cbcb11f97 re-run alone (production's unfused path, 2026-12-06),
+#: worded as parity.engine reports it: 59.22 GiB allocated + 18.83 asked = 78.05 GiB, under the 79.18 GiB card by
+#: torch's lower bound (context and cached blocks made the rest), no other process on the GPU
+OOM_ALONE = (
+    "megatron run: OutOfMemoryError: CUDA out of memory. Tried to allocate 18.83 GiB. GPU 0 has a total capacity of "
+    "79.18 GiB of which 18.31 GiB is free. Including non-PyTorch memory, this process has 60.86 GiB memory in use. Of "
+    "the allocated memory 59.22 GiB is allocated by PyTorch, and 1005.22 MiB is reserved by PyTorch but unallocated. "
+    "[judge/snapshot.py:take_snapshot:144]")
+
 
 def log(request, event):
     if request.get("log"):
@@ -72,7 +81,7 @@ def main() -> None:
             sys.stdout.flush()
             continue
         time.sleep(request.get("sleep", 0.0))
-        message = {"oom": OOM, "oom_beyond": OOM_BEYOND, "error": "planted error"}.get(what, "")
+        message = {"oom": OOM, "oom_beyond": OOM_BEYOND, "oom_alone": OOM_ALONE, "error": "planted error"}.get(what, "")
         row = {"type": "case", "case_id": request["id"], "outcome": "error" if message else "pass",
                "message": message, "pid": os.getpid(),
                "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "DSV4_PARITY_THREADS", "OMP_NUM_THREADS")}}

@@ -98,10 +98,36 @@ def test_a_repeated_run_is_kept_beside_the_first_and_its_spread_reported(tmp_pat
     assert again["target_s"] == 60  # judged as a warm run
     assert section["spread"] == {"warm": {"runs": 2, "wall_s": [50.0, 60.0], "min_s": 50.0, "max_s": 60.0,
                                           "spread": 0.2}}
+    assert section["repeat_vs_first"] == {"warm-2": {"common_cases": 1, "differing": [], "agree": True}}
     # negative control: runs named once each have no spread
     single = bench_gate.gate_section(tmp_path / "h", runs=("cold", "warm"),
                                      runner=fake_gate({"cold": ["pass"], "warm": ["pass"]}, {"cold": 1, "warm": 0}, []))
     assert "spread" not in single
+
+
+def test_spread_leaves_out_a_run_cut_by_its_deadline_and_a_gate_that_skipped_work_misses_its_target(tmp_path):
+    rows = [{"run": "warm", "exit_code": 0, "cases": 2, "wall_s": 50.0},
+            {"run": "warm", "exit_code": None, "cases": 1, "wall_s": 9.0},  # timed out: its deadline, not the gate
+            {"run": "warm", "exit_code": 1, "cases": 2, "wall_s": 55.0}]
+    assert bench_gate.run_spread(rows) == {"warm": {"runs": 2, "wall_s": [50.0, 55.0], "min_s": 50.0, "max_s": 55.0,
+                                                    "spread": 0.1}}
+    assert bench_gate.run_spread(rows[:2]) == {}
+    with pytest.raises(ValueError, match="unknown run hot"):
+        bench_gate.gate_section(tmp_path / "x", runs=("warm", "hot"), runner=None)
+
+    def did_not_fit(cmd, **kw):  # a case declined for GPU memory: the gate did less than its suite
+        proc = fake_gate({"warm": ["pass", "unsupported"]}, {"warm": 0}, [])(cmd, **kw)
+        path = Path(cmd[cmd.index("--out") + 1]) / "results.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        rows[2]["decided_by"] = "device-memory"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return proc
+
+    (warm,) = bench_gate.gate_section(tmp_path / "m", runs=("warm",), runner=did_not_fit)["runs"]
+    assert warm["device_memory"] == 1 and warm["met"] is False
+    (plain,) = bench_gate.gate_section(tmp_path / "n", runs=("warm",),
+                                       runner=fake_gate({"warm": ["pass", "unsupported"]}, {"warm": 0}, []))["runs"]
+    assert plain["device_memory"] == 0 and plain["met"] is True  # control: a kernel's refusal is the suite's own
 
 
 def test_budget_skips_runs_that_cannot_start(tmp_path):

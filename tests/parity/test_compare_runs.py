@@ -125,6 +125,27 @@ def test_crash_messages_agree_on_their_kind_only(tmp_path):
     assert [d.what for d in compare(load(a), load(c)).differences] == ["message"]
 
 
+def test_cases_that_did_not_fit_their_gpu_agree_whatever_torch_said(tmp_path):
+    """Two runs in which a case did not fit the GPU (rule ``device-memory``) agree though torch's numbers moved
+    (held + asked depend on the allocator's state); the message's stage must match. Control: a kernel's refusal
+    (rule ``unsupported``) keeps comparing its whole message."""
+    def refused(message, rule="device-memory"):
+        rows = case_rows("x", outcome="unsupported", message=message)
+        rows[0].update(decided_by=rule, first_failure={"tensor": None, "rule": rule,
+                                                       "message": "OutOfMemoryError: " + message[-9:]})
+        return rows[:1]
+
+    fit = "megatron run: does not fit the GPU's 79 GiB even alone: needs at least {} GiB"
+    a = write(tmp_path / "a", [refused(fit.format(84))])
+    b = write(tmp_path / "b", [refused(fit.format(86))])
+    assert compare(load(a), load(b)).ok
+    c = write(tmp_path / "c", [refused(fit.format(86).replace("megatron run", "megatron run with dO on padding"))])
+    assert [d.what for d in compare(load(a), load(c)).differences] == ["message"]
+    d = write(tmp_path / "d", [refused("KernelRefused: topk=128", "unsupported")])
+    e = write(tmp_path / "e", [refused("KernelRefused: topk=256", "unsupported")])
+    assert "message" in [x.what for x in compare(load(d), load(e)).differences]
+
+
 def test_a_case_written_twice_keeps_the_last_copy_and_is_reported(single, tmp_path):
     twice = write(tmp_path / "twice", [case_rows("a", value=9.0), case_rows("a"), case_rows("b", value=3e-7),
                                        case_rows("c", outcome="fail")])

@@ -61,6 +61,24 @@ def test_resume_drops_torn_and_orphan_rows_and_the_end_row(tmp_path):
     assert results.read_for_resume(tmp_path / "none.jsonl").outcomes == {}
 
 
+def test_resume_runs_errors_and_cases_that_did_not_fit_their_gpu_again(tmp_path):
+    """An ``error`` and an ``unsupported`` case of rule ``device-memory`` (it did not fit the GPU it ran on: a run
+    resumed on a larger one may fit it) run again; a kernel's refusal (``unsupported``, rule ``unsupported``) is kept."""
+    a, b, c = (pick(dtype=d, layout="bshd", ratio="0") for d in ("float32", "float64", "bfloat16"))
+    path = tmp_path / "results.jsonl"
+    refused = _result(c, "unsupported")
+    memory = _result(b, "unsupported")
+    memory.decided_by = "device-memory"
+    with results.ResultsWriter(path) as w:
+        w.write([{"type": "run", "run_id": "r1"}])
+        w.write(_result(a, "error").rows())
+        w.write(memory.rows())
+        w.write(refused.rows())
+    existing = results.read_for_resume(path)
+    assert sorted(existing.errored) == sorted([a.id, b.id])
+    assert existing.outcomes == {c.id: "unsupported"}
+
+
 def test_summary_line():
     counts = results.counts(["pass", "pass", "fail", "error", "unsupported", "pass"])
     assert results.summary_line(counts) == "6 cases: 3 passed, 1 failed, 1 errors, 1 unsupported"
