@@ -126,7 +126,8 @@ def _closing_line(counts: dict, planned: int, code: int, out_dir: Path, oracle: 
 
 def measured_peaks(suite: str, options) -> Optional[dict]:
     """On a GPU: each case's peak GPU memory in the committed baseline of this path on this GPU
-    (``reports/baselines/<arch>/<name>/memory.csv``), for the worker pool's memory admission; None elsewhere."""
+    (``reports/baselines/<arch>/<name>/memory.csv``, else a GPU's of the same allocations:
+    ``reports.baselines.SAME_ALLOCATIONS``), for the worker pool's memory admission; None elsewhere."""
     if options.torch_device() != "cuda":
         return None
     import torch  # noqa: PLC0415

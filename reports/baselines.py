@@ -215,13 +215,21 @@ def case_peaks(results: Path) -> dict[str, int]:
     return peaks
 
 
+#: GPUs whose runs allocate the same: the H100 and the H200 run the same sm90 kernels through the same PyTorch, so a
+#: case's peak allocation measured on one stands for the other where it has none of its own (the H100's peaks were
+#: taken first: the H200 was not lent). The pool's margin and its re-run alone cover what a workspace choice moves.
+SAME_ALLOCATIONS = {"h100": ("h200",), "h200": ("h100",)}
+
+
 def measured_peaks(arch: str, name: str, root: Path = BASELINES_ROOT) -> dict[str, int]:
-    """The ``memory.csv`` of baseline ``<arch>/<name>`` as ``{case_id: bytes}`` ({} where there is none)."""
-    path = root / arch / name / PEAKS_NAME
-    if not path.is_file():
-        return {}
-    table = pd.read_csv(path, dtype={"case_id": str})
-    return {str(c): int(b) for c, b in zip(table["case_id"], table["peak_gpu_bytes"])}
+    """The ``memory.csv`` of baseline ``<arch>/<name>`` as ``{case_id: bytes}``; where that GPU has none, the one of
+    a GPU of :data:`SAME_ALLOCATIONS`; {} where there is none."""
+    for source in (arch, *SAME_ALLOCATIONS.get(arch, ())):
+        path = root / source / name / PEAKS_NAME
+        if path.is_file():
+            table = pd.read_csv(path, dtype={"case_id": str})
+            return {str(c): int(b) for c, b in zip(table["case_id"], table["peak_gpu_bytes"])}
+    return {}
 
 
 def default_baseline(data: RunData, root: Path = BASELINES_ROOT) -> str | None:

@@ -106,3 +106,22 @@ def test_the_h100s_measured_fused_path_memory_covers_the_gate_and_keeps_its_larg
     capacity = memory.admission_capacity(int(79.18 * 2**30), 6)
     assert weights[0] + weights[1] > capacity  # the two largest (~33 GiB each, × 1.15) no longer run together
     assert weights[-1] + weights[-2] < capacity  # control: small ones still share
+
+
+def test_the_h100s_measured_unfused_peaks_stand_for_the_h200_and_fit_it():
+    """``h100/megatron-unfused-gate/memory.csv`` (155 gate cases measured on an H100, 2026-12-06) is what an H200
+    run of production's unfused path admits by, having none of its own: every id is a gate case, every peak fits the
+    H200 beside nothing, and the cases the model weighs above half the card (run nearly alone by it) weigh less
+    measured (the model held them apart from every other case)."""
+    from reports.baselines import measured_peaks
+
+    peaks = measured_peaks("h200", "megatron-unfused-gate")
+    assert peaks == measured_peaks("h100", "megatron-unfused-gate") and len(peaks) == 155
+    cases = {c.id: c for c in load_suite("gate")}
+    assert set(peaks) <= set(cases)
+    capacity = memory.admission_capacity(int(139.80 * 2**30), 6)
+    measured = {cid: memory.expected_gpu_bytes(cases[cid], "megatron", "unfused", peaks) for cid in peaks}
+    modelled = {cid: memory.expected_gpu_bytes(cases[cid], "megatron", "unfused") for cid in peaks}
+    assert max(measured.values()) < capacity
+    heavy = [c for c in peaks if modelled[c] > capacity / 2]
+    assert len(heavy) >= 10 and all(measured[c] < modelled[c] for c in heavy)

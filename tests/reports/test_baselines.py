@@ -144,7 +144,11 @@ def test_a_gpu_runs_case_peaks_are_kept_beside_its_baseline_and_read_back(tmp_pa
     assert target == tmp_path / "b" / "h200" / "gate"
     peaks = measured_peaks("h200", "gate", root=tmp_path / "b")
     assert peaks == {cases[0]["case_id"]: 1 << 30, cases[1]["case_id"]: 3 << 30, cases[2]["case_id"]: 3 << 30}
-    assert measured_peaks("h100", "gate", root=tmp_path / "b") == {}  # another GPU's: none
+    assert measured_peaks("a100", "gate", root=tmp_path / "b") == {}  # another GPU's: none
+    assert measured_peaks("h100", "gate", root=tmp_path / "b") == peaks  # the same sm90 kernels: the H200's stand in
+    (tmp_path / "b" / "h100" / "gate").mkdir(parents=True)
+    (tmp_path / "b" / "h100" / "gate" / PEAKS_NAME).write_text(f"case_id,peak_gpu_bytes\n{cases[0]['case_id']},7\n")
+    assert measured_peaks("h100", "gate", root=tmp_path / "b") == {cases[0]["case_id"]: 7}  # its own win
 
     # negative control: retaken from a run without GPU peaks, the old file goes (it described another run)
     plain = load_run(write_rows(rows_of(n_cases=3, run_id="cpu"), tmp_path / "cpu"))
