@@ -31,19 +31,25 @@ def _bytes(match) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
+def asked(text: str) -> Optional[int]:
+    """The bytes torch's out-of-memory ``text`` says the failing request asked for (``Tried to allocate X``)."""
+    match = re.search(r"Tried to allocate " + _SIZE, text)
+    return _bytes(match) if match else None
+
+
 def least_need(text: str) -> Optional[tuple[int, int]]:
     """``(bytes, capacity)`` from torch's CUDA out-of-memory message: a lower bound of the GPU memory the failing
     process needed (what PyTorch had allocated for it when it failed, ``Of the allocated memory A is allocated by
     PyTorch``, else everything it held, ``this process has P memory in use``, plus what it asked for, ``Tried to
     allocate X``) and the GPU's ``total capacity``. None where the text is not that message. Another process's memory
     (``Process N has …``) and the process's cached-but-free blocks are not counted: a re-run alone does not hold them."""
-    asked = re.search(r"Tried to allocate " + _SIZE, text)
+    request = asked(text)
     total = re.search(r"has a total capacity of " + _SIZE, text)
     held = re.search(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch", text) or \
         re.search(r"this process has " + _SIZE + r" memory in use", text)
-    if not (asked and total and held):
+    if request is None or not (total and held):
         return None
-    return _bytes(held) + _bytes(asked), _bytes(total)
+    return _bytes(held) + request, _bytes(total)
 
 
 def beyond_device(text: str) -> Optional[str]:
@@ -60,12 +66,6 @@ def beyond_device(text: str) -> Optional[str]:
 #: to mean the case does not fit the GPU (1c5cbcb11f97 on an H100: 78.05 of 79.18 GiB by the bound, out of memory
 #: alone; context and cached blocks make the rest). Further below, the memory was held elsewhere.
 ALONE_NEAR_CAPACITY = 0.9
-
-
-def asked(text: str) -> Optional[int]:
-    """The bytes torch's out-of-memory ``text`` says the failing request asked for (``Tried to allocate X``)."""
-    match = re.search(r"Tried to allocate " + _SIZE, text)
-    return _bytes(match) if match else None
 
 
 def plausible_need(text: str, alone: bool) -> bool:

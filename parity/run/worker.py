@@ -68,11 +68,16 @@ class Finished:
     retried: Optional[str] = None
 
 
+def _first_failure(row: dict) -> dict:
+    """A case row's ``first_failure`` ({} where it has none)."""
+    return row["first_failure"] if isinstance(row.get("first_failure"), dict) else {}
+
+
 def _note_beyond_device(row: dict) -> Optional[str]:
     """When the out-of-memory ``row`` shows that its case needs more than the whole GPU
     (:func:`parity.run.out_of_memory.beyond_device`), say so in its ``message`` (and ``first_failure.message``):
     a re-run alone would only run out again, so the pool makes none. Returns the sentence, else None."""
-    first = row.get("first_failure") if isinstance(row.get("first_failure"), dict) else {}
+    first = _first_failure(row)
     text = " ".join(t for t in (row.get("message"), first.get("message")) if isinstance(t, str))
     beyond = beyond_device(text)
     if beyond is not None:
@@ -91,8 +96,7 @@ def _alone_does_not_fit(row: dict) -> None:
     where = row.get("failed_at") if isinstance(row.get("failed_at"), dict) else {}
     if not (is_out_of_memory(row) and where.get("implementation_run")):
         return
-    first = row.get("first_failure") if isinstance(row.get("first_failure"), dict) else {}
-    stage, text = str(where.get("stage")), first.get("message") or row.get("message") or ""
+    stage, text = str(where.get("stage")), _first_failure(row).get("message") or row.get("message") or ""
     sentence = does_not_fit(stage, text) if plausible_need(text, alone=True) else None
     if sentence is not None:  # torch's message as the engine keeps it (no "<stage>: " before it)
         text = text[len(stage) + 2:] if text.startswith(stage + ": ") else text
@@ -105,8 +109,7 @@ def is_out_of_memory(row: Any) -> bool:
     ``first_failure.message`` :func:`says_out_of_memory`)."""
     if not isinstance(row, dict) or row.get("outcome") != "error":
         return False
-    first = row.get("first_failure")
-    texts = [row.get("message"), first.get("message") if isinstance(first, dict) else None]
+    texts = (row.get("message"), _first_failure(row).get("message"))
     return says_out_of_memory(" ".join(t for t in texts if isinstance(t, str)))
 
 
