@@ -23,6 +23,7 @@ case, an incomplete run, a drift or coverage loss against its baseline, a missin
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -83,6 +84,44 @@ def strip_options(tokens: Sequence[str], names: dict) -> list[str]:
     return out
 
 
+#: the gate's own options that a resumed gate takes from its manifest (``dest``: option)
+RECORDED_GATE_OPTIONS = {"baseline": "--baseline", "with_oracle": "--with-oracle", "baselines_dir": "--baselines-dir"}
+
+
+def option_values(tokens: Sequence[str], option: str) -> list[str]:
+    """The values ``option`` takes in ``tokens`` (``--opt V`` and ``--opt=V``, in order)."""
+    values = []
+    for i, token in enumerate(tokens):
+        if token == option and i + 1 < len(tokens):
+            values.append(tokens[i + 1])
+        elif token.startswith(option + "="):
+            values.append(token.split("=", 1)[1])
+    return values
+
+
+def apply_recorded_gate_options(args: argparse.Namespace, tokens: Sequence[str], manifest: dict,
+                                out_dir: Path) -> None:
+    """A resumed gate judges as the gate it continues: ``--baseline``, ``--with-oracle`` and ``--baselines-dir`` come
+    from the manifest's ``argv`` (a gate started with ``--baseline none`` is not failed for a missing baseline when
+    resumed). One given again must say the same; another value is a usage error naming the option."""
+    recorded_tokens = [str(t) for t in manifest.get("argv") or []]
+    for dest, option in RECORDED_GATE_OPTIONS.items():
+        recorded, given = option_values(recorded_tokens, option), option_values(tokens, option)
+        if not recorded:
+            continue
+        if given and given != recorded:
+            raise CaseError(option, f"conflicts with the gate being resumed ({out_dir}), which recorded "
+                                    f"{' '.join(recorded)!r}, not {' '.join(given)!r}; a resume continues the recorded "
+                                    f"gate: drop {option} (judge the runs against another baseline with "
+                                    f"`dsv4-parity report {out_dir} --baseline NAME`), or start a new gate")
+        if dest == "with_oracle":
+            setattr(args, dest, recorded)
+        elif dest == "baselines_dir":
+            setattr(args, dest, Path(recorded[-1]))
+        else:
+            setattr(args, dest, recorded[-1])
+
+
 def paths_of(args: argparse.Namespace) -> list[str]:
     """The providers to gate (``--paths``; auto: the implementation's production paths for ``--provider``)."""
     if args.paths and args.paths != "auto":
@@ -124,12 +163,14 @@ def gate_command(args: argparse.Namespace) -> int:
     from reports.errors import ReportError
     from reports.gate import INDEX, judge, parse_baselines, print_summary, title_of, write_index, write_manifest
 
-    baselines_root = args.baselines_dir if args.baselines_dir is not None else BASELINES_ROOT
     tokens = list(getattr(args, "argv", sys.argv[1:]))
     tokens = tokens[1:] if tokens and tokens[0] == "gate" else tokens
     try:
         out_dir, link, manifest, names = _plan(args, tokens)
+        if args.resume:
+            apply_recorded_gate_options(args, tokens, manifest, out_dir)
         baselines = parse_baselines(args.baseline, names)
+        baselines_root = args.baselines_dir if args.baselines_dir is not None else BASELINES_ROOT
     except (CaseError, ImplError, ReportError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -146,6 +187,8 @@ def gate_command(args: argparse.Namespace) -> int:
             argv = ["run", "--out", str(path_dir), "--resume"]
         else:
             argv = ["run", *run_tokens, "--provider", name, "--out", str(path_dir)]
+            if not multi:  # the one run is the gate: its run row keeps the manifest for `gate --resume`
+                argv += ["--gate-manifest", json.dumps({"type": "gate", **manifest})]
         if args.junit:
             argv += ["--junit", str(path_dir / "junit.xml" if multi else args.junit)]
             junits.append((name, path_dir / "junit.xml"))
@@ -184,6 +227,7 @@ def gate_command(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace, tokens: list[str]) -> tuple[Path, Optional[Path], dict, list[str]]:
     """``(out_dir, link to move or None, manifest, path names)``; a resumed gate reads them back."""
     from parity.impls import load
+    from parity.run.resume import recorded_run
     from parity.run.runner import new_run_id, resolve_out_dir
     from reports.gate import read_manifest
 
@@ -194,10 +238,16 @@ def _plan(args: argparse.Namespace, tokens: list[str]) -> tuple[Path, Optional[P
         manifest = read_manifest(out_dir)
         if manifest is not None:
             return out_dir, None, manifest, [str(p["name"]) for p in manifest["paths"]]
-        if not (out_dir / "results.jsonl").is_file():
+        recorded = recorded_run(out_dir)
+        if recorded is None:
             raise CaseError("resume", f"{out_dir} holds no gate and no run to continue")
-        return out_dir, None, {"argv": tokens, "impl": args.impl, "suite": args.suite,
-                               "paths": [{"name": args.provider}]}, [args.provider]
+        manifest = recorded.get("gate")
+        if not (isinstance(manifest, dict) and isinstance(manifest.get("paths"), list) and manifest["paths"]):
+            # a run started before one-path gates recorded their manifest: its path is its provider
+            provider = str(recorded.get("provider") or args.provider)
+            manifest = {"argv": [], "impl": recorded.get("impl", args.impl), "suite": recorded.get("suite"),
+                        "paths": [{"name": provider}]}
+        return out_dir, None, manifest, [str(manifest["paths"][0]["name"])]
     names = paths_of(args)
     impl = load(args.impl)
     impl.check_ready()

@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run metamorphic oracle NAME on --impl instead of comparing with --against "
                           "(see `dsv4-parity metamorphic --list`)")
     add_output_options(run)
+    # the manifest of the one-path gate this run is (recorded on its run row: `gate --resume` reads it back)
+    run.add_argument("--gate-manifest", default=None, help=argparse.SUPPRESS)
     run.set_defaults(func=_later("cmd_run"))
 
     meta = sub.add_parser("metamorphic", help="run metamorphic oracles (no second implementation needed)",

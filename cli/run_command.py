@@ -9,6 +9,7 @@ every oracle (each in ``<out>/<oracle>/``). ``calibrate`` refreshes the toleranc
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -138,6 +139,20 @@ def measured_peaks(suite: str, options) -> Optional[dict]:
     return read_peaks(arch, name_for(suite, options.impl, resolved_provider(options))) or None
 
 
+def _gate_manifest(args: argparse.Namespace) -> Optional[dict]:
+    """The one-path gate's manifest ``gate`` passed this run (hidden ``--gate-manifest`` JSON), or None."""
+    text = getattr(args, "gate_manifest", None)
+    if not text:
+        return None
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CaseError("gate-manifest", f"not JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CaseError("gate-manifest", "expected a JSON object")
+    return manifest
+
+
 def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_override: Optional[Path] = None,
                          link_override: Optional[Path] = None) -> tuple[dict, int, Path, Optional[Path]]:
     check_run_options(args)
@@ -167,7 +182,8 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
                        run_id=run_id, quiet=args.quiet, workers=parse_workers(getattr(args, "workers", "1")),
                        threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None),
                        force=getattr(args, "force", False), link=link, selection=selection_record(label, cases),
-                       peaks=measured_peaks(label, options) if oracle is None else None)
+                       peaks=measured_peaks(label, options) if oracle is None else None,
+                       gate=_gate_manifest(args))
     counts, code = run(cases, config)
     _say(_closing_line(counts, len(cases), code, out_dir, oracle))
     return counts, code, out_dir, link

@@ -3,8 +3,9 @@
 One case's rows (``case``, then its ``tensor`` rows, then their ``metric`` rows) are appended in one unbuffered
 write and fsynced. The ``case`` row carries ``n_rows``, the number of ``tensor`` + ``metric`` rows that follow it
 (:func:`sealed`), so a case cut off by a kill or a full disk is recognisable. :func:`read_for_resume` keeps only the
-*finished* cases — a ``case`` row followed by all its ``n_rows`` rows, whose outcome is not ``error`` nor a GPU's
-``device-memory`` refusal (both run again, :func:`_again`) — and drops everything else: torn lines, cut-off cases, errored cases and the closing ``end`` row; the run
+*finished* cases — a ``case`` row followed by all its ``n_rows`` rows, whose outcome is not ``error`` nor a
+``device-memory`` refusal of a smaller GPU than the one resuming (both run again, :func:`_again`) — and drops
+everything else: torn lines, cut-off cases, errored cases and the closing ``end`` row; the run
 then appends to the same file. A write that fails (disk full, file-size limit) raises :class:`ResultsWriteError`.
 
 Every line is strict JSON: a NaN metric value is written as ``null`` and ±inf as ±1.7976931348623157e308 (the
@@ -26,6 +27,7 @@ from cases.case import Case
 from cases.vocabulary import ALWAYS_COUNTED, OUTCOMES
 
 from parity.judge.verdict import MetricRow, TensorResult
+from parity.run import out_of_memory
 
 FLOAT_MAX = 1.7976931348623157e308
 
@@ -129,10 +131,30 @@ def dumps(row: dict) -> str:
     return json.dumps(row, separators=(",", ":"), allow_nan=False)
 
 
-def _again(case_row: dict) -> bool:
-    """Whether a resumed run runs this case again: an ``error``, and a case that did not fit its GPU (rule
-    ``device-memory``: a run resumed on a larger GPU may fit it; on the same GPU it declines again in seconds)."""
-    return case_row.get("outcome") == "error" or case_row.get("decided_by") == "device-memory"
+def _again(case_row: dict, gpu_capacity: Optional[int] = None) -> bool:
+    """Whether a resumed run runs this case again: an ``error``; and a case that did not fit its GPU (rule
+    ``device-memory``) where the resuming GPU is larger than the one it ran out of memory on (``gpu_capacity``, bytes,
+    against the capacity in torch's message kept in ``first_failure``), or where either is unknown. On a GPU of the
+    same size it would only run out of memory again: one to four large cases re-run alone, holding the pool back."""
+    if case_row.get("outcome") == "error":
+        return True
+    if case_row.get("decided_by") != "device-memory":
+        return False
+    recorded = _capacity_of(case_row)
+    return recorded is None or gpu_capacity is None or gpu_capacity > recorded * LARGER_GPU
+
+
+#: How much more memory than torch's message names a GPU must have to count as larger: the message rounds the capacity
+#: to 0.01 GiB, so the same card reads up to 0.005 GiB either side of its own size.
+LARGER_GPU = 1.01
+
+
+def _capacity_of(case_row: dict) -> Optional[int]:
+    """The GPU capacity (bytes) torch's out-of-memory message of a ``device-memory`` row names, or None."""
+    failure = case_row.get("first_failure")
+    text = failure.get("message") if isinstance(failure, dict) else None
+    need = out_of_memory.least_need(text) if isinstance(text, str) else None
+    return need[1] if need else None
 
 
 def sealed(rows: list[dict]) -> list[dict]:
@@ -209,6 +231,7 @@ class Existing:
     outcomes: dict  # case_id -> outcome, finished cases in file order
     cut: list = field(default_factory=list)      # case ids whose rows were cut off (re-run)
     errored: list = field(default_factory=list)  # case ids that ended in an error (re-run)
+    larger_gpu: list = field(default_factory=list)  # did not fit a smaller GPU than this one (re-run)
 
 
 def parse_lines(text: str) -> list[dict]:
@@ -270,8 +293,9 @@ def case_blocks(rows: list[dict]) -> tuple[list[list[dict]], list[str]]:
     return blocks, cut
 
 
-def read_for_resume(path: Path) -> Existing:
-    """Clean ``path`` for appending (see module docstring) and return what it already holds."""
+def read_for_resume(path: Path, gpu_capacity: Optional[int] = None) -> Existing:
+    """Clean ``path`` for appending (see module docstring) and return what it already holds; ``gpu_capacity`` (bytes,
+    None off a GPU) is the memory of the GPU the resumed run runs on (:func:`_again`)."""
     path = Path(path)
     if not path.exists():
         return Existing(None, {})
@@ -280,8 +304,10 @@ def read_for_resume(path: Path) -> Existing:
     except OSError as exc:
         raise ResultsWriteError(exc.errno, f"cannot read {path}: {exc.strerror}") from None
     blocks, cut = case_blocks(rows)
-    finished = {b[0]["case_id"]: b for b in blocks if not _again(b[0])}
-    errored = [b[0]["case_id"] for b in blocks if _again(b[0]) and b[0]["case_id"] not in finished]
+    finished = {b[0]["case_id"]: b for b in blocks if not _again(b[0], gpu_capacity)}
+    again = [b[0] for b in blocks if _again(b[0], gpu_capacity) and b[0]["case_id"] not in finished]
+    errored = [r["case_id"] for r in again if r.get("outcome") == "error"]
+    larger = [r["case_id"] for r in again if r.get("outcome") != "error"]
     run_rows = [r for r in rows if r["type"] == "run"]
     kept = run_rows[:1] + [r for block in finished.values() for r in block]
     tmp = path.with_suffix(".jsonl.tmp")
@@ -292,7 +318,7 @@ def read_for_resume(path: Path) -> Existing:
         tmp.unlink(missing_ok=True)
         raise ResultsWriteError(exc.errno, f"cannot rewrite {path} for resuming: {exc.strerror}") from None
     return Existing(run_rows[0] if run_rows else None, {cid: b[0]["outcome"] for cid, b in finished.items()},
-                    cut=[c for c in cut if c not in finished], errored=errored)
+                    cut=[c for c in cut if c not in finished], errored=errored, larger_gpu=larger)
 
 
 def counts(outcomes: Iterable[str]) -> dict:

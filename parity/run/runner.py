@@ -129,6 +129,7 @@ class RunConfig:
     link: Optional[Path] = None  # a symlink (reports/out/latest) to point at out_dir once the run row is written
     selection: Optional[dict] = None  # how the cases were chosen, recorded on the run row for --resume
     peaks: Optional[dict] = None  # {case_id: bytes} measured on this GPU before (memory admission; the CLI reads it)
+    gate: Optional[dict] = None  # the manifest of the one-path gate this run is (run row ``gate``: its --resume)
 
 
 def _isolation(config: RunConfig, workers: int) -> str:
@@ -168,12 +169,20 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
         rundir.close()
 
 
+def _gpu_capacity(device: str) -> Optional[int]:
+    """The memory (bytes) of the GPU a run on ``device`` uses, None off a GPU (what a resume weighs ``device-memory``
+    cases against: :func:`parity.run.results._again`)."""
+    return memory.device_total_bytes() if device == "cuda" else None
+
+
 def _resume_note(existing: results.Existing, todo: int) -> str:
     again = []
     if existing.cut:
         again.append(f"{len(existing.cut)} cut off")
     if existing.errored:
         again.append(f"{len(existing.errored)} errored")
+    if existing.larger_gpu:
+        again.append(f"{len(existing.larger_gpu)} that did not fit a smaller GPU")
     return (f"resuming: {len(existing.outcomes)} cases already done, {todo} to run"
             + (f" (again: {', '.join(again)})" if again else ""))
 
@@ -181,7 +190,7 @@ def _resume_note(existing: results.Existing, todo: int) -> str:
 def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: int, mode: str,
                 slots: list[Slot], path: Path) -> tuple[dict, int]:
     out_dir = config.out_dir
-    existing = results.read_for_resume(path) if config.resume else results.Existing(None, {})
+    existing = results.read_for_resume(path, _gpu_capacity(device)) if config.resume else results.Existing(None, {})
     todo = [c for c in cases if c.id not in existing.outcomes]
     if workers > 1:
         todo = shard.by_cost(todo, device)  # the shared queue: most expensive first (LPT)
@@ -203,11 +212,12 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
             "argv": list(config.argv), "env": environment(device),
             "options": asdict(opts), "workers": workers, "devices": [s.device for s in slots],
             "threads": threads, "selection": config.selection or {},
-            "planned": [c.id for c in cases], **_impl_info(opts.impl, opts.provider, opts.cp)}])
+            "planned": [c.id for c in cases], **_impl_info(opts.impl, opts.provider, opts.cp),
+            **({"gate": config.gate} if config.gate else {})}])
     writer = results.ResultsWriter(path)
     if config.link is not None:
         point_link(config.link, out_dir)  # from its start, `latest` names this run
-    if config.resume and (existing.outcomes or existing.cut or existing.errored):
+    if config.resume and (existing.outcomes or existing.cut or existing.errored or existing.larger_gpu):
         print(_resume_note(existing, len(todo)), file=sys.stderr)
     progress = Progress(len(todo), config.quiet)
     pool = None

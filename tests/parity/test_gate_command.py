@@ -149,10 +149,62 @@ def test_a_killed_gate_resumes_each_path_and_starts_the_rest(tmp_path, capsys):
         path.unlink()
     (out / "torch").rmdir()  # the second path never started
     capsys.readouterr()
-    assert main(["gate", "--out", str(out), "--resume", "--baseline", "none"]) == 0
+    assert main(["gate", "--out", str(out), "--resume"]) == 0  # the recorded --baseline none judges it
     assert last_lines(capsys.readouterr().out) == ["gate: PASS", f"report: {out / 'index.html'}"]
     for name in ("auto", "torch"):
         stream = (out / name / "results.jsonl").read_text()
         assert stream.count('"type":"case"') == 1 and '"type":"end"' in stream
     # negative control: --resume of a directory holding neither a gate nor a run is refused
     assert main(["gate", "--out", str(tmp_path / "empty"), "--resume"]) == 2
+
+
+def _killed(run_dir: Path) -> None:
+    """``run_dir``'s stream cut back to its run row, as a kill before its first case finished leaves it."""
+    stream = run_dir / "results.jsonl"
+    stream.write_text(stream.read_text().splitlines()[0] + "\n")
+
+
+def test_a_resumed_gate_of_one_path_judges_as_it_was_started(tmp_path, capsys):
+    """A one-path gate's run row keeps the gate's manifest: resumed with no options, it is the same path (named as
+    started, not the default provider) judged against the same baseline (``--baseline none`` here, where no baseline
+    of this arch exists: the gate a deadline cut on the H100 of 2026-12-06 failed on its resume for a missing
+    baseline it had never asked for)."""
+    out = tmp_path / "one"
+    empty = str(tmp_path / "no-baselines")
+    assert gate("--paths", "torch", "--baseline", "none", "--baselines-dir", empty, "--out", str(out)) == 0
+    row = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+    assert row["gate"]["paths"][0]["name"] == "torch" and "--baseline" in row["gate"]["argv"]
+    _killed(out)
+    capsys.readouterr()
+    assert main(["gate", "--out", str(out), "--resume", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "torch: provider torch" in text and last_lines(text)[0] == "gate: PASS"
+    # a conflicting --baseline on the resume is a usage error naming the recorded one
+    _killed(out)
+    assert main(["gate", "--out", str(out), "--resume", "--baseline", "cpu/smoke"]) == 2
+    assert "--baseline: conflicts with the gate being resumed" in capsys.readouterr().err
+    # negative control: a gate recorded with the default baseline fails on the missing one when resumed
+    other = tmp_path / "auto"
+    assert gate("--paths", "torch", "--baselines-dir", empty, "--out", str(other)) == 1
+    _killed(other)
+    capsys.readouterr()
+    assert main(["gate", "--out", str(other), "--resume"]) == 1
+    assert "torch FAIL: no baseline cpu/" in capsys.readouterr().out
+
+
+def test_a_resumed_gate_of_two_paths_keeps_each_paths_baseline(tmp_path, capsys):
+    """``--baseline P=NAME,...`` of a two-path gate (the PR gate's ``cudnn=h200/megatron-cudnn-gate`` on an H100)
+    holds for its resume: the run the path's baseline was recorded from passes again against it."""
+    baselines = tmp_path / "b"
+    first = tmp_path / "first"
+    assert gate("--paths", "auto,torch", "--baseline", "none", "--out", str(first)) == 0
+    assert main(["compare", str(first / "torch"), "--update", "--baseline", "cpu/theirs", "--baselines-dir",
+                 str(baselines)]) == 0
+    out = tmp_path / "g"
+    assert gate("--paths", "auto,torch", "--baseline", "auto=none,torch=cpu/theirs", "--baselines-dir",
+                str(baselines), "--out", str(out)) == 0
+    _killed(out / "torch")
+    capsys.readouterr()
+    assert main(["gate", "--out", str(out), "--resume", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "vs cpu/theirs" in text and last_lines(text)[0] == "gate: PASS"

@@ -75,8 +75,36 @@ def test_resume_runs_errors_and_cases_that_did_not_fit_their_gpu_again(tmp_path)
         w.write(memory.rows())
         w.write(refused.rows())
     existing = results.read_for_resume(path)
-    assert sorted(existing.errored) == sorted([a.id, b.id])
+    assert existing.errored == [a.id] and existing.larger_gpu == [b.id]  # no capacity in its message: run again
     assert existing.outcomes == {c.id: "unsupported"}
+
+
+def test_a_resume_on_a_gpu_of_the_same_size_keeps_the_cases_that_did_not_fit_it(tmp_path):
+    """A ``device-memory`` case runs again only on a larger GPU than the one whose capacity torch's message names
+    (79.18 GiB here): on the same card (its exact size either side of the message's rounding) it is kept, as decided;
+    on a 139.80 GiB GPU, or where the resuming run is on no GPU, it runs again (``larger_gpu``)."""
+    from tests.parity.pool_child import OOM_BEYOND
+
+    a, b = (pick(dtype=d, layout="bshd", ratio="0") for d in ("float32", "float64"))
+    memory = _result(b, "unsupported")
+    memory.decided_by = "device-memory"
+    memory.first_failure = {"tensor": None, "rule": "device-memory", "message": OOM_BEYOND}
+    gib = 1 << 30
+
+    def resumed(capacity):
+        path = tmp_path / f"results-{capacity}.jsonl"
+        with results.ResultsWriter(path) as w:
+            w.write([{"type": "run", "run_id": "r1"}])
+            w.write(_result(a).rows())
+            w.write(memory.rows())
+        return results.read_for_resume(path, capacity)
+
+    for same in (int(79.175 * gib), int(79.18 * gib), int(79.1849 * gib)):
+        kept = resumed(same)
+        assert kept.outcomes == {a.id: "pass", b.id: "unsupported"} and kept.larger_gpu == []
+    for again in (int(139.80 * gib), None):
+        larger = resumed(again)
+        assert larger.outcomes == {a.id: "pass"} and larger.larger_gpu == [b.id] and larger.errored == []
 
 
 def test_summary_line():
