@@ -8,8 +8,8 @@
 #       commit whose Upstream-Commit is that revision, with its .dsv4-parity-revision.json
 #   (all three made by `bash .ci/stage-megatron-revisions.sh`)
 # Stages (in order; each one gate directory /tmp/pr-<stage>, resumed when a call ran out of time):
-#   head    no unfused baseline exists yet: the unfused path is run ungated and, complete, recorded as
-#           h200/megatron-unfused-gate; the fused path is gated against h200/megatron-cudnn-gate
+#   head    each path gated against its baseline (a card without its own: the other sm90 card's, below; neither:
+#           ungated) and, complete, recorded as <arch>/megatron-<path>-gate where this card had none
 #   608     608545cfc6 (the fused CSA indexer-loss fix): both paths against both baselines; must pass
 #   12d     12d3cc03e3 (its parent): must fail, naming the fused-path tensors
 #   probe   not a gate: .ci/probes/gather_backward.py on e0e0647850c7 at head (whether the gather-backward-atomic
@@ -41,6 +41,10 @@ have() { [ -f "reports/baselines/$arch/megatron-$1-gate/metrics.csv" ]; }
 # an H100 lent for the H200 runs the same sm90 kernels: its fused path is gated against the H200's baseline
 cudnn_base() { if have cudnn; then echo auto; elif [ -f reports/baselines/h200/megatron-cudnn-gate/metrics.csv ]; then
   echo h200/megatron-cudnn-gate; else echo none; fi; }
+# the unfused path's, likewise: an H200 (no baseline of its own yet) is gated against the H100's, whose 9 cases that do
+# not fit 80 GB are `unsupported` there and so not gated (a case only the run has is never coverage lost)
+unfused_base() { if have unfused; then echo auto; elif [ -f reports/baselines/h100/megatron-unfused-gate/metrics.csv ]; then
+  echo h100/megatron-unfused-gate; else echo none; fi; }
 tree() {  # stage, revision -> the Megatron tree's directory (extracted once)
   local a d
   # the pinned snapshot keeps its snapshot-id layout <id>/<id> (how the adapter names its revision)
@@ -82,12 +86,12 @@ for stage in "$@"; do
   case "$stage" in
     head) rev=head  # a path whose baseline this arch lacks runs ungated and, complete, is recorded
       if [ "$paths" = auto ]; then
-        baseline="unfused=$(have unfused && echo auto || echo none),cudnn=$(cudnn_base)"
+        baseline="unfused=$(unfused_base),cudnn=$(cudnn_base)"
       elif [ "$paths" = cudnn ]; then baseline=$(cudnn_base)
-      else baseline=$(have "$paths" && echo auto || echo none); fi ;;
+      else baseline=$(unfused_base); fi ;;
     608|12d) [ "$stage" = 608 ] && rev=608545cfc6 || rev=12d3cc03e3
-      case "$paths" in auto) baseline="unfused=auto,cudnn=$(cudnn_base)" ;; cudnn) baseline=$(cudnn_base) ;;
-        *) baseline=auto ;; esac ;;
+      case "$paths" in auto) baseline="unfused=$(unfused_base),cudnn=$(cudnn_base)" ;; cudnn) baseline=$(cudnn_base) ;;
+        *) baseline=$(unfused_base) ;; esac ;;
     *) echo "usage: bash .ci/h200-pr-gate.sh [head|608|12d|probe ...]" >&2; exit 2 ;;
   esac
   megatron=$(tree "$stage" "$rev")

@@ -52,7 +52,23 @@ def summarize_results(path: Path) -> dict[str, Any]:
     total = sum(phases.values()) or 1.0
     return {"cases": cases, "outcomes": outcomes, "phases_s": {k: round(v, 2) for k, v in phases.items()},
             "phase_share": {k: round(v / total, 4) for k, v in phases.items()},
-            "device_memory": sum(row.get("decided_by") == "device-memory" for row in rows)}
+            "device_memory": sum(row.get("decided_by") == "device-memory" for row in rows),
+            "occupancy": _end_row(path).get("occupancy")}
+
+
+def _end_row(path: Path) -> dict[str, Any]:
+    """The closing ``end`` row of a ``results.jsonl`` (``{}`` when there is none: a killed run)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        return row if isinstance(row, dict) and row.get("type") == "end" else {}
+    return {}
 
 
 def collect_compile_stats(stats_dir: Path) -> dict[str, Any]:

@@ -169,6 +169,24 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
         rundir.close()
 
 
+def occupancy(spans: Sequence[float], workers: int, wall_s: float, processes: int, waited: int) -> dict:
+    """How busy a run's workers were: ``case_s`` the summed spans of its cases (each from handed out to finished, in
+    the parent: the child's start-up, a re-run alone's wait and the answer's transfer included), ``share`` that sum
+    over ``workers`` × ``wall_s``, ``processes_started`` (worker children, replacements included), ``waited`` (cases
+    that waited for GPU memory). The end row's ``occupancy``; a resumed run's covers its last invocation only."""
+    busy = float(sum(spans))
+    return {"workers": workers, "wall_s": round(wall_s, 3), "case_s": round(busy, 3),
+            "share": round(busy / (workers * wall_s), 4) if workers and wall_s > 0 else None,
+            "processes_started": processes, "waited_for_memory": waited}
+
+
+def occupancy_line(o: dict) -> str:
+    share = "-" if o.get("share") is None else f"{100 * o['share']:.0f} %"
+    return (f"workers: {o['workers']} over {o['wall_s']:.0f} s, busy {share} (cases handed out to finished: "
+            f"{o['case_s']:.0f} s); {o['processes_started']} worker process(es) started, {o['waited_for_memory']} "
+            "case(s) waited for GPU memory")
+
+
 def _gpu_capacity(device: str) -> Optional[int]:
     """The memory (bytes) of the GPU a run on ``device`` uses, None off a GPU (what a resume weighs ``device-memory``
     cases against: :func:`parity.run.results._again`)."""
@@ -221,11 +239,21 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         print(_resume_note(existing, len(todo)), file=sys.stderr)
     progress = Progress(len(todo), config.quiet)
     pool = None
+    handed: dict[str, float] = {}  # case id -> seconds into the run when it was first handed out (its timeline)
+    spans: list[float] = []  # handed out -> finished, per case finished by this invocation
+
+    def starting(case: Case) -> None:
+        handed.setdefault(case.id, time.perf_counter() - started)  # a re-run alone keeps its first start
+        progress.starting(case)
 
     def request(case: Case) -> dict:
         return {"case": case.to_dict(), "options": asdict(config.options), "oracle": config.oracle}
 
     def finished(case: Case, rows: list[dict], slot: Slot) -> None:
+        now = time.perf_counter() - started
+        start = handed.get(case.id, now)
+        rows[0]["at_s"] = [round(start, 3), round(now, 3)]  # the case's span in this invocation (additive field)
+        spans.append(now - start)
         writer.write(results.sealed(_tag(rows, slot)))
         outcomes[case.id] = rows[0]["outcome"]
         if (rows[0].get("known") or {}).get("status") == "fixed?":
@@ -246,14 +274,14 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     try:
         if mode == "none":
             for case in within_budget(todo):
-                progress.starting(case)
+                starting(case)
                 finished(case, execute(request(case)), slots[0])
         else:
             used = slots[:max(1, min(workers, len(todo)))]
             pool = WorkerPool(used, timeout=config.timeout, fresh=(mode == "case"),
                               **_memory_admission(config.options, device, used, config.peaks))
             jobs = ((c, request(c)) for c in within_budget(todo))
-            for done in pool.run(jobs, on_start=lambda c, _: progress.starting(c)):
+            for done in pool.run(jobs, on_start=lambda c, _: starting(c)):
                 rows = done.rows if done.rows is not None else error_rows(done.key, config.options, done.why)
                 if done.retried:  # re-run alone after running out of GPU memory on a shared GPU (additive field)
                     rows[0].setdefault("retried", done.retried)
@@ -282,6 +310,10 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
               f"space, then continue with: {resume_command(out_dir)}", file=sys.stderr)
         return counts, 2
     end = {"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}
+    end["occupancy"] = occupancy(spans, len(used) if pool is not None else 1, end["duration_s"],
+                                 pool.started if pool is not None else 0, pool.waited if pool is not None else 0)
+    if pool is not None and not config.quiet:
+        print(occupancy_line(end["occupancy"]), file=sys.stderr)
     if fixed:
         end["fixed"] = fixed
     if not_run:

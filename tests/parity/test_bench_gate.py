@@ -142,6 +142,16 @@ def test_summarize_tolerates_a_torn_last_line(tmp_path):
                     + "\n{\"type\": \"ca")
     s = bench_gate.summarize_results(path)
     assert s["cases"] == 1 and s["phases_s"]["impl"] == 2.0
+    assert s["occupancy"] is None  # a killed run has no end row
+
+
+def test_summarize_reads_the_workers_occupancy_from_the_end_row(tmp_path):
+    path = tmp_path / "results.jsonl"
+    busy = {"workers": 6, "wall_s": 935.0, "case_s": 504.3, "share": 0.0899, "processes_started": 23,
+            "waited_for_memory": 40}
+    path.write_text(json.dumps({"type": "case", "case_id": "a", "outcome": "pass", "phases_s": {"impl": 2.0}}) + "\n"
+                    + json.dumps({"type": "end", "counts": {"pass": 1}, "duration_s": 935.0, "occupancy": busy}))
+    assert bench_gate.summarize_results(path)["occupancy"] == busy
 
 
 def test_real_run_of_two_smoke_cases(tmp_path):
@@ -153,6 +163,7 @@ def test_real_run_of_two_smoke_cases(tmp_path):
     assert cold["cases"] == 2 and cold["outcomes"].get("pass") == 2 and cold["phases_s"]["impl"] > 0
     assert warm["cases"] == 2 and section["cold_vs_warm"]["agree"]
     assert cold["met"] is True  # 2 smoke cases are far inside the gate's targets
+    assert cold["occupancy"]["workers"] == 1 and cold["occupancy"]["case_s"] > 0
 
 
 @pytest.mark.parametrize("sections", ["gate", "harness,gate"])

@@ -151,6 +151,14 @@ def test_two_workers_give_one_workers_results_case_by_case_and_resume(tmp_path, 
     case_rows = [r for r in got if r["type"] == "case"]
     assert sorted(r["case_id"] for r in case_rows) == sorted(x.id for x in cases)
     assert {r["worker"] for r in case_rows} == {0, 1} and {r["device"] for r in case_rows} == {"cpu"}
+    # the timeline: each case's span (handed out -> finished) lies in the run; the end row sums them
+    end = got[-1]
+    spans = [r["at_s"] for r in case_rows]
+    assert all(0 <= a <= b <= end["duration_s"] + 1e-3 for a, b in spans)
+    busy = end["occupancy"]
+    assert busy["workers"] == 2 and busy["processes_started"] == 2 and busy["waited_for_memory"] == 0
+    assert busy["case_s"] == pytest.approx(sum(b - a for a, b in spans), abs=0.01)
+    assert 0 < busy["share"] <= 1
 
     agreement = compare(load(one), load(two))
     assert agreement.ok, agreement.differences[:5]
@@ -211,3 +219,14 @@ def test_one_worker_in_process_records_where_it_ran(tmp_path):
     assert got[0]["workers"] == 1 and got[0]["devices"] == ["cpu"] and isinstance(got[0]["threads"], int)
     row = next(r for r in got if r["type"] == "case")
     assert row["worker"] == 0 and row["device"] == "cpu"
+
+
+def test_occupancy_is_the_case_time_over_the_workers_wall_time():
+    from parity.run.runner import occupancy, occupancy_line
+
+    o = occupancy([1.0, 2.0, 3.0], workers=2, wall_s=6.0, processes=3, waited=1)
+    assert o == {"workers": 2, "wall_s": 6.0, "case_s": 6.0, "share": 0.5, "processes_started": 3,
+                 "waited_for_memory": 1}
+    assert occupancy_line(o) == ("workers: 2 over 6 s, busy 50 % (cases handed out to finished: 6 s); 3 worker "
+                                 "process(es) started, 1 case(s) waited for GPU memory")
+    assert occupancy([], workers=1, wall_s=0.0, processes=0, waited=0)["share"] is None  # no time: no share
