@@ -88,10 +88,11 @@ for stage in "$@"; do
       if [ "$paths" = auto ]; then
         baseline="unfused=$(unfused_base),cudnn=$(cudnn_base)"
       elif [ "$paths" = cudnn ]; then baseline=$(cudnn_base)
-      else baseline=$(unfused_base); fi ;;
+      elif [ "$paths" = unfused ]; then baseline=$(unfused_base)
+      else baseline=$(have "$paths" && echo auto || echo none); fi ;;
     608|12d) [ "$stage" = 608 ] && rev=608545cfc6 || rev=12d3cc03e3
       case "$paths" in auto) baseline="unfused=$(unfused_base),cudnn=$(cudnn_base)" ;; cudnn) baseline=$(cudnn_base) ;;
-        *) baseline=$(unfused_base) ;; esac ;;
+        unfused) baseline=$(unfused_base) ;; *) baseline=auto ;; esac ;;
     *) echo "usage: bash .ci/h200-pr-gate.sh [head|608|12d|probe ...]" >&2; exit 2 ;;
   esac
   megatron=$(tree "$stage" "$rev")

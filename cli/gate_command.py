@@ -84,8 +84,10 @@ def strip_options(tokens: Sequence[str], names: dict) -> list[str]:
     return out
 
 
-#: the gate's own options that a resumed gate takes from its manifest (``dest``: option)
-RECORDED_GATE_OPTIONS = {"baseline": "--baseline", "with_oracle": "--with-oracle", "baselines_dir": "--baselines-dir"}
+#: the options a resumed gate takes from its manifest (``dest``: (option, its value when the gate was started
+#: without it)); ``--provider`` also picks the provider of the oracle runs a resume may still have to start
+RECORDED_GATE_OPTIONS = {"baseline": ("--baseline", "auto"), "with_oracle": ("--with-oracle", None),
+                         "baselines_dir": ("--baselines-dir", None), "provider": ("--provider", "auto")}
 
 
 def option_values(tokens: Sequence[str], option: str) -> list[str]:
@@ -101,25 +103,31 @@ def option_values(tokens: Sequence[str], option: str) -> list[str]:
 
 def apply_recorded_gate_options(args: argparse.Namespace, tokens: Sequence[str], manifest: dict,
                                 out_dir: Path) -> None:
-    """A resumed gate judges as the gate it continues: ``--baseline``, ``--with-oracle`` and ``--baselines-dir`` come
-    from the manifest's ``argv`` (a gate started with ``--baseline none`` is not failed for a missing baseline when
-    resumed). One given again must say the same; another value is a usage error naming the option."""
-    recorded_tokens = [str(t) for t in manifest.get("argv") or []]
-    for dest, option in RECORDED_GATE_OPTIONS.items():
+    """A resumed gate judges as the gate it continues: ``--baseline``, ``--with-oracle``, ``--baselines-dir`` and
+    ``--provider`` are the ones in the manifest's ``argv`` — or their defaults, where the gate was started without
+    them (a gate started with ``--baseline none`` is not failed for a missing baseline when resumed, and one started
+    on its default baseline is not resumed without it). One given again must say the same; another value is a usage
+    error naming the option. A manifest without ``argv`` (a run from before one-path gates kept theirs) records
+    nothing: the options given on the resume stand."""
+    if not manifest.get("argv"):
+        return
+    recorded_tokens = [str(t) for t in manifest["argv"]]
+    for dest, (option, default) in RECORDED_GATE_OPTIONS.items():
         recorded, given = option_values(recorded_tokens, option), option_values(tokens, option)
-        if not recorded:
-            continue
+        if dest != "with_oracle":  # one value: the last one given counts
+            recorded = recorded[-1:] or ([default] if default is not None else [])
+            given = given[-1:]
         if given and given != recorded:
             raise CaseError(option, f"conflicts with the gate being resumed ({out_dir}), which recorded "
-                                    f"{' '.join(recorded)!r}, not {' '.join(given)!r}; a resume continues the recorded "
-                                    f"gate: drop {option} (judge the runs against another baseline with "
+                                    f"{' '.join(recorded) or 'none'!r}, not {' '.join(given)!r}; a resume continues "
+                                    f"the recorded gate: drop {option} (judge the runs against another baseline with "
                                     f"`dsv4-parity report {out_dir} --baseline NAME`), or start a new gate")
         if dest == "with_oracle":
             setattr(args, dest, recorded)
         elif dest == "baselines_dir":
-            setattr(args, dest, Path(recorded[-1]))
+            setattr(args, dest, Path(recorded[0]) if recorded else None)
         else:
-            setattr(args, dest, recorded[-1])
+            setattr(args, dest, recorded[0])
 
 
 def paths_of(args: argparse.Namespace) -> list[str]:
@@ -243,8 +251,9 @@ def _plan(args: argparse.Namespace, tokens: list[str]) -> tuple[Path, Optional[P
             raise CaseError("resume", f"{out_dir} holds no gate and no run to continue")
         manifest = recorded.get("gate")
         if not (isinstance(manifest, dict) and isinstance(manifest.get("paths"), list) and manifest["paths"]):
-            # a run started before one-path gates recorded their manifest: its path is its provider
-            provider = str(recorded.get("provider") or args.provider)
+            # a run started before one-path gates recorded their manifest: its path is the provider it was asked for
+            options = recorded.get("options") if isinstance(recorded.get("options"), dict) else {}
+            provider = str(options.get("provider") or args.provider)
             manifest = {"argv": [], "impl": recorded.get("impl", args.impl), "suite": recorded.get("suite"),
                         "paths": [{"name": provider}]}
         return out_dir, None, manifest, [str(manifest["paths"][0]["name"])]

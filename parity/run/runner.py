@@ -172,8 +172,8 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
 def occupancy(spans: Sequence[float], workers: int, wall_s: float, processes: int, waited: int) -> dict:
     """How busy a run's workers were: ``case_s`` the summed spans of its cases (each from handed out to finished, in
     the parent: the child's start-up, a re-run alone's wait and the answer's transfer included), ``share`` that sum
-    over ``workers`` × ``wall_s``, ``processes_started`` (worker children, replacements included), ``waited`` (cases
-    that waited for GPU memory). The end row's ``occupancy``; a resumed run's covers its last invocation only."""
+    over ``workers`` × ``wall_s``, ``processes_started`` (worker children, replacements included),
+    ``waited_for_memory`` (cases that waited for GPU memory). The end row's ``occupancy``; a resumed run's covers its last invocation only."""
     busy = float(sum(spans))
     return {"workers": workers, "wall_s": round(wall_s, 3), "case_s": round(busy, 3),
             "share": round(busy / (workers * wall_s), 4) if workers and wall_s > 0 else None,
@@ -200,7 +200,7 @@ def _resume_note(existing: results.Existing, todo: int) -> str:
     if existing.errored:
         again.append(f"{len(existing.errored)} errored")
     if existing.larger_gpu:
-        again.append(f"{len(existing.larger_gpu)} that did not fit a smaller GPU")
+        again.append(f"{len(existing.larger_gpu)} that did not fit their GPU, this one larger or its size unknown")
     return (f"resuming: {len(existing.outcomes)} cases already done, {todo} to run"
             + (f" (again: {', '.join(again)})" if again else ""))
 
@@ -312,7 +312,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     end = {"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}
     end["occupancy"] = occupancy(spans, len(used) if pool is not None else 1, end["duration_s"],
                                  pool.started if pool is not None else 0, pool.waited if pool is not None else 0)
-    if pool is not None and not config.quiet:
+    if pool is not None and spans and not config.quiet:
         print(occupancy_line(end["occupancy"]), file=sys.stderr)
     if fixed:
         end["fixed"] = fixed

@@ -190,6 +190,13 @@ def test_a_resumed_gate_of_one_path_judges_as_it_was_started(tmp_path, capsys):
     capsys.readouterr()
     assert main(["gate", "--out", str(other), "--resume"]) == 1
     assert "torch FAIL: no baseline cpu/" in capsys.readouterr().out
+    # ... and it cannot be resumed out of its baseline either: no --baseline at the start means auto
+    _killed(other)
+    assert main(["gate", "--out", str(other), "--resume", "--baseline", "none"]) == 2
+    assert "which recorded 'auto', not 'none'" in capsys.readouterr().err
+    # the run row keeps the manifest once, as `gate`, not again in its argv
+    row = json.loads((other / "results.jsonl").read_text().splitlines()[0])
+    assert "gate" in row and not any("--gate-manifest" in str(t) for t in row["argv"])
 
 
 def test_a_resumed_gate_of_two_paths_keeps_each_paths_baseline(tmp_path, capsys):
