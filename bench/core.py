@@ -806,6 +806,8 @@ def evaluate_targets(report: dict, s: Settings) -> list[dict]:
                                run["met"] if whole_gate else None,
                                f"{gate.get('suite')} suite, {run['cases']} cases {run['outcomes']}, exit "
                                f"{run['exit_code']}, compiled {run['compile']['totals'].get('compiled', 0)} kernels"
+                               + (f", workers busy {100 * run['occupancy']['share']:.0f} %"
+                                  if (run.get("occupancy") or {}).get("share") is not None else "")
                                + ("" if whole_gate else " (not the whole gate suite on CUDA: not judged)")))
     return out
 

@@ -180,9 +180,11 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
                             timeout_s=left, make_default=make_default, impl=impl, runner=runner, name=name,
                             clock=clock)
         row["repeat"] = seen[label]
+        busy = row.get("occupancy") or {}
         log(f"gate {name}: {row['wall_s']} s, {row['outcomes']}, compiled {row['compile']['totals'].get('compiled', 0)}"
             f" kernels in {row['compile']['totals'].get('compile_s', 0)} s, loaded "
-            f"{row['compile']['totals'].get('loaded', 0)}")
+            f"{row['compile']['totals'].get('loaded', 0)}"
+            + (f"; workers busy {100 * busy['share']:.0f} %" if busy.get("share") is not None else ""))
         section["runs"].append(row)
     done = [r for r in section["runs"] if "out" in r]
     first = {r["run"]: r for r in reversed(done)}
