@@ -17,7 +17,9 @@ Output: one path — ``--out`` is its run directory; several — ``--out`` is a 
 ``--out`` (``<out>.oracle-<name>``). The command ends with one summary: a row per run, what each compared, why any
 failed, the verdict and the report to open. Exit 0 when every run passed, 1 when one failed (a failing or erroring
 case, an incomplete run, a drift or coverage loss against its baseline, a missing baseline), 2 for a usage error.
-``--resume`` continues a killed gate: each path's recorded run, and the paths not started yet.
+``--resume`` continues a killed gate: each path's recorded run, and the paths not started yet, judged as the gate was
+started (its ``--baseline``, ``--with-oracle``, ``--baselines-dir`` and ``--provider``, defaults included; another value
+given on the resume is a usage error).
 """
 
 from __future__ import annotations
