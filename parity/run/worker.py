@@ -31,7 +31,11 @@ within 10 % of the GPU's capacity by torch's numbers and with no other process n
 (:func:`parity.run.out_of_memory.plausible_need`), the case does not fit that GPU and the row becomes ``unsupported``
 (rule ``device-memory``), as it does on a GPU with one worker. Other devices keep taking jobs meanwhile. A retried job was already handed out, so it is
 not read again from ``jobs``: a time budget that stops ``jobs`` does not stop a pending retry. With one worker per
-device nothing is retried.
+device nothing is retried. Under memory admission (:class:`WorkerPool`) a job whose expected peak exceeds what its
+device lends its workers takes that path from the start: it runs alone in a fresh child, the idle children stopped,
+its row's ``retried`` saying why (``expected to need more than the N GiB <device> lends its k workers; run alone``),
+and an out-of-memory answer is that of a run alone (no doomed first attempt beside the other children's CUDA
+contexts, then a re-run: nine production cases on an 80 GB H100 ran twice that way on 2026-12-06).
 """
 
 from __future__ import annotations
@@ -229,7 +233,8 @@ class WorkerPool:
     **Memory admission** (``weigh`` and ``capacity``, both given): ``weigh(key)`` is a job's expected peak GPU
     memory in bytes (:func:`parity.run.memory.expected_gpu_bytes`), ``capacity`` the bytes one device lends its
     workers. A job starts on a device only if the weights of the jobs running there plus its own fit ``capacity``
-    — or nothing runs there (a job heavier than the device runs alone). The jobs keep their order: when the next
+    — or nothing runs there (a job heavier than the device lends runs alone, in a fresh child, as a re-run alone
+    does: the module docstring). The jobs keep their order: when the next
     job fits no device yet, it waits, and so do the jobs behind it (head-of-line; the order is most expensive first,
     so the large cases go first and the small ones fill the room they leave). One job at most is read ahead from
     ``jobs`` for that, so a time budget that stops ``jobs`` still stops what comes after it. A job of weight 0 fits
@@ -300,6 +305,14 @@ class WorkerPool:
                 return None
             key, request = queue.pop()
             job = _Job(key, request, weight=max(0, int(self.weigh(key))))
+            if job.weight > self.capacity and sharing[device] > 1:
+                # heavier than the device lends its workers: it would run only with nothing else there anyway, so
+                # it runs alone from the start — the device's idle children stopped, in a fresh child — and its
+                # answer is that of a run alone (no doomed first attempt beside their CUDA contexts, no re-run)
+                retries.append(_Job(key, request, f"expected to need more than the {self.capacity / 2**30:.0f} GiB "
+                                                  f"{device} lends its {sharing[device]} workers; run alone",
+                                    device, job.weight))
+                return None
             if fits(device, job):
                 return job
             self.waited += 1

@@ -531,3 +531,38 @@ def test_a_job_that_fits_no_room_on_one_gpu_starts_on_another():
     for device in ("cuda:0", "cuda:1"):  # no GPU ever held more than its capacity (or one job alone)
         on = [(e, k) for e, k in seen if devices[k] == device]
         assert all(total <= 10 or n == 1 for total, n in running_weights(on, weights))
+
+
+def test_a_job_heavier_than_the_gpu_lends_runs_alone_once_in_a_fresh_child(tmp_path):
+    """A job whose expected peak exceeds what its GPU lends its workers runs alone from the start: the device's idle
+    children stopped, a fresh child, one run (no shared first attempt, no re-run); its implementation running out of
+    memory there means it does not fit the GPU (``unsupported``, rule ``device-memory``). Control: the same job
+    weighed within the capacity shares first, runs out of memory, and is re-run alone — two runs."""
+    impl = {"failed_at": {"stage": "megatron run", "implementation_run": True}}
+    slots = plan_slots(2, "cuda", tokens=["0"], cpu_count=8)
+    weights = {"a": 1, "huge": 30, "b": 1}
+    items = oom_jobs(tmp_path, ("a", "pass", 0.05), ("huge", "oom_alone", 0.0, impl), ("b", "pass", 0.0))
+    started = []
+    pool = WorkerPool(slots, timeout=30, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+    done = {f.key: f for f in run_list(pool, items, started)}
+    assert sorted(done) == ["a", "b", "huge"]
+    row = done["huge"].rows[0]
+    assert (row["outcome"], row["decided_by"]) == ("unsupported", "device-memory")
+    assert row["retried"] == "expected to need more than the 10 GiB cuda:0 lends its 2 workers; run alone"
+    log = events(tmp_path)
+    runs = [e for e in log if e[1] == "huge"]
+    assert [e[0] for e in runs] == ["start", "end"]  # one run
+    assert runs[0][2] not in {e[2] for e in log[:log.index(runs[0])]}  # in a child that had run nothing before
+    at_huge = next(alive for key, _, alive in started if key == "huge")
+    assert at_huge == [False, False]  # the device's idle children were stopped first
+    start, end = log.index(runs[0]), log.index(runs[1])
+    assert [e for e in log[start + 1:end] if e[3] == "0"] == []  # nothing else ran on the GPU meanwhile
+
+    # control: weighed within the capacity, it shares first and is re-run alone after running out of memory
+    (tmp_path / "c").mkdir()
+    weights["huge"] = 5
+    items = oom_jobs(tmp_path / "c", ("a", "pass", 0.05), ("huge", "oom_alone", 0.0, impl), ("b", "pass", 0.0))
+    pool = WorkerPool(slots, timeout=30, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+    done = {f.key: f for f in run_list(pool, items)}
+    assert done["huge"].rows[0]["retried"] == "out of memory while sharing cuda:0 with 2 workers; re-run alone"
+    assert [e[0] for e in events(tmp_path / "c") if e[1] == "huge"] == ["start", "end", "start", "end"]
