@@ -261,12 +261,13 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         progress.done(rows[0])
 
     deadline = None if config.budget_s is None else started + config.budget_s
-    not_run: list[str] = []
+
+    def spent() -> bool:
+        return deadline is not None and time.perf_counter() >= deadline
 
     def within_budget(cases: Sequence[Case]) -> Iterable[Case]:
-        for i, case in enumerate(cases):
-            if deadline is not None and time.perf_counter() >= deadline:
-                not_run.extend(c.id for c in cases[i:])
+        for case in cases:
+            if spent():
                 return
             yield case
 
@@ -278,10 +279,10 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
                 finished(case, execute(request(case)), slots[0])
         else:
             used = slots[:max(1, min(workers, len(todo)))]
-            pool = WorkerPool(used, timeout=config.timeout, fresh=(mode == "case"),
+            pool = WorkerPool(used, timeout=config.timeout, fresh=(mode == "case"), backfill=len(todo),
                               **_memory_admission(config.options, device, used, config.peaks))
             jobs = ((c, request(c)) for c in within_budget(todo))
-            for done in pool.run(jobs, on_start=lambda c, _: starting(c)):
+            for done in pool.run(jobs, on_start=lambda c, _: starting(c), stop=spent):
                 rows = done.rows if done.rows is not None else error_rows(done.key, config.options, done.why)
                 if done.retried:  # re-run alone after running out of GPU memory on a shared GPU (additive field)
                     rows[0].setdefault("retried", done.retried)
@@ -297,14 +298,16 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         if pool is not None:
             pool.close()
             if pool.weigh is not None:
-                print(f"memory admission: {pool.waited} case(s) waited for GPU memory (each GPU lends "
-                      f"{pool.capacity / 2**30:.1f} GiB to its workers; parity.run.memory.expected_gpu_bytes)",
-                      file=sys.stderr)
+                print(f"memory admission: {pool.waited} case(s) waited for GPU memory, {pool.backfilled} started "
+                      f"past a waiting one in room it could not use (each GPU lends {pool.capacity / 2**30:.1f} GiB "
+                      "to its workers; parity.run.memory.expected_gpu_bytes)", file=sys.stderr)
         if threads_before is not None:
             _set_threads(threads_before)
         if failure is not None:
             writer.close()
     counts = results.counts(outcomes.values())
+    # every case this invocation never handed out (a spent budget: the pool starts nothing after it, read ahead or not)
+    not_run = [c.id for c in todo if c.id not in handed] if failure is None else []
     if failure is not None:
         print(f"error: {failure.strerror}; the run stopped, {sum(counts.values())} finished cases are kept; free "
               f"space, then continue with: {resume_command(out_dir)}", file=sys.stderr)
@@ -316,10 +319,14 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         print(occupancy_line(end["occupancy"]), file=sys.stderr)
     if fixed:
         end["fixed"] = fixed
-    if not_run:
+    if not_run and deadline is not None:
         end.update(stopped="budget", budget_s=config.budget_s, not_run=not_run)
         print(f"budget of {config.budget_s:g} s spent: {len(not_run)} of {len(cases)} cases not run "
               f"(continue with: {resume_command(out_dir)})", file=sys.stderr)
+    elif not_run:  # never without a budget: a fault of the runner, reported as such, the run incomplete
+        end.update(stopped="not started", not_run=not_run)
+        print(f"error: {len(not_run)} of {len(cases)} cases were never started (a fault of the runner); continue "
+              f"with: {resume_command(out_dir)}", file=sys.stderr)
     code = 1 if counts["fail"] or counts["error"] or not_run else 0
     try:
         writer.write([end])

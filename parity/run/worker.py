@@ -126,6 +126,8 @@ class _Job:
     retried: Optional[str] = None
     device: Any = None  # the device label it ran out of memory on (a pending retry)
     weight: int = 0  # its expected peak GPU bytes (memory admission; 0 without it)
+    backfilled: bool = False  # started past a waiting job, in room that job could not use (memory admission)
+    waited: bool = False  # found no room when it was first weighed (counted once in WorkerPool.waited)
 
 
 class Worker:
@@ -234,22 +236,26 @@ class WorkerPool:
     memory in bytes (:func:`parity.run.memory.expected_gpu_bytes`), ``capacity`` the bytes one device lends its
     workers. A job starts on a device only if the weights of the jobs running there plus its own fit ``capacity``
     — or nothing runs there (a job heavier than the device lends runs alone, in a fresh child, as a re-run alone
-    does: the module docstring). The jobs keep their order: when the next
-    job fits no device yet, it waits, and so do the jobs behind it (head-of-line; the order is most expensive first,
-    so the large cases go first and the small ones fill the room they leave). One job at most is read ahead from
-    ``jobs`` for that, so a time budget that stops ``jobs`` still stops what comes after it. A job of weight 0 fits
-    wherever the device is not over its capacity, but it too waits its turn behind a waiting job. Without ``weigh``
-    nothing waits."""
+    does: the module docstring). The jobs keep their order: when the next job (the *head*) fits no device yet, it
+    waits, and the jobs behind it wait their turn — except, with ``backfill`` > 0, a later job that fits the room
+    now while the head could not start there even if every backfilled job there were gone (it waits for the jobs
+    that went before it, not for the backfilled ones): up to ``backfill`` jobs are read ahead for that. So the small
+    cases run beside a large case that must run nearly alone, and never delay the next large one by more than their
+    own short run (once the head would fit but for them, none starts). A job of weight 0 fits wherever the device is
+    not over its capacity. Without ``weigh`` nothing waits. ``run``'s ``stop`` (a time budget) starts no further job,
+    read ahead or not; the caller knows which started from ``on_start``."""
 
     def __init__(self, slots: Sequence = (None,), timeout: float = 1800.0, fresh: bool = False,
                  command: Optional[Sequence[str]] = None, weigh: Optional[Callable[[Any], int]] = None,
-                 capacity: Optional[int] = None):
+                 capacity: Optional[int] = None, backfill: int = 0):
         self.workers = [Worker(slot, command) for slot in slots]  # command: the child (tests use a fake)
         self.timeout = timeout
         self.fresh = fresh
         self.weigh = weigh if (weigh is not None and capacity) else None
         self.capacity = capacity
-        self.waited = 0  # jobs that found no room on the device that read them (memory admission)
+        self.waited = 0  # jobs that found no room when first weighed (memory admission)
+        self.backfill = max(0, int(backfill)) if self.weigh is not None else 0
+        self.backfilled = 0  # jobs started past a waiting one
         self._busy: dict[int, tuple[_Job, float, Any]] = {}  # worker index -> (job, deadline, registered pipe)
 
     @property
@@ -271,13 +277,14 @@ class WorkerPool:
         for w in self.workers:
             w.stop()
 
-    def run(self, jobs: Iterable[tuple[Any, dict]],
-            on_start: Optional[Callable[[Any, Any], None]] = None) -> Iterator[Finished]:
+    def run(self, jobs: Iterable[tuple[Any, dict]], on_start: Optional[Callable[[Any, Any], None]] = None,
+            stop: Optional[Callable[[], bool]] = None) -> Iterator[Finished]:
         """Run ``(key, request)`` jobs, dispatched in order to idle slots; yield each :class:`Finished` as it
         ends (completion order), each job once. ``on_start(key, slot)`` is called as a job is handed out (again for
         a re-run alone after running out of GPU memory on a shared device: see the module docstring). ``jobs`` is
         read lazily, one job as a slot frees up, so a generator can stop handing out work (a run's time budget);
-        a pending re-run is not read from ``jobs`` and so is not stopped by it."""
+        a pending re-run is not read from ``jobs`` and so is not stopped by it. ``stop()`` true: no further job
+        starts (jobs read ahead and not started are dropped), a pending re-run still runs."""
         queue = _Lookahead(jobs)
         busy = self._busy
         sel = selectors.DefaultSelector()
@@ -285,11 +292,22 @@ class WorkerPool:
         sharing = {label: labels.count(label) for label in labels}  # device label -> workers of the pool on it
         retries: list[_Job] = []  # jobs that ran out of memory on a shared device, to re-run alone on it (FIFO)
         alone: dict[Any, int] = {}  # device label -> the worker running a retry alone on it
-        waiting: list[_Job] = []  # the next job, read from ``jobs``, that fitted no device's memory yet (0 or 1)
+        pending: list[_Job] = []  # jobs read from ``jobs`` and not started: the waiting head, then read-ahead ones
 
-        def held(device) -> int:
-            """The expected GPU bytes of the jobs running on ``device``."""
-            return sum(job.weight for j, (job, _, _) in busy.items() if labels[j] == device)
+        def stopped() -> bool:
+            if stop is not None and stop():
+                pending.clear()
+                return True
+            return False
+
+        def more() -> bool:
+            """Whether a new job may still start: not stopped, and one is pending or coming."""
+            return not stopped() and (bool(pending) or bool(queue))
+
+        def held(device, backfilled_only: bool = False) -> int:
+            """The expected GPU bytes of the jobs running on ``device`` (only the backfilled ones)."""
+            return sum(job.weight for j, (job, _, _) in busy.items()
+                       if labels[j] == device and (job.backfilled or not backfilled_only))
 
         def fits(device, job: _Job) -> bool:
             """Whether ``job`` may start on ``device``: nothing runs there, or it fits beside what does."""
@@ -297,26 +315,56 @@ class WorkerPool:
                 return True
             return held(device) + job.weight <= self.capacity
 
-        def admitted(device) -> Optional[_Job]:
-            """The next job if it fits ``device`` under memory admission (the class docstring), else None."""
-            if waiting:
-                return waiting.pop() if fits(device, waiting[0]) else None
-            if not queue:  # reads the next job from ``jobs`` (only now: a slot is idle and none waits)
+        def read() -> Optional[_Job]:
+            """The next job from ``jobs``, weighed, or None when none is coming (read only now: a slot is idle)."""
+            if not queue:
                 return None
             key, request = queue.pop()
-            job = _Job(key, request, weight=max(0, int(self.weigh(key))))
-            if job.weight > self.capacity and sharing[device] > 1:
+            return _Job(key, request, weight=max(0, int(self.weigh(key))))
+
+        def backfills(device, job: _Job) -> bool:
+            if job.weight <= self.capacity and fits(device, job):
+                job.backfilled = True
+                self.backfilled += 1
+                return True
+            return False
+
+        def admitted(device) -> Optional[_Job]:
+            """The next job for ``device`` under memory admission (the class docstring), else None."""
+            if stopped():
+                return None
+            if not pending:
+                job = read()
+                if job is None:
+                    return None
+                pending.append(job)
+            head = pending[0]
+            if head.weight > self.capacity and sharing[device] > 1:
                 # heavier than the device lends its workers: it would run only with nothing else there anyway, so
                 # it runs alone from the start — the device's idle children stopped, in a fresh child — and its
                 # answer is that of a run alone (no doomed first attempt beside their CUDA contexts, no re-run)
-                retries.append(_Job(key, request, f"expected to need more than the {self.capacity / 2**30:.0f} GiB "
-                                                  f"{device} lends its {sharing[device]} workers; run alone",
-                                    device, job.weight))
+                pending.pop(0)
+                retries.append(_Job(head.key, head.request, f"expected to need more than the "
+                                    f"{self.capacity / 2**30:.0f} GiB {device} lends its {sharing[device]} workers; "
+                                    "run alone", device, head.weight))
                 return None
-            if fits(device, job):
-                return job
-            self.waited += 1
-            waiting.append(job)
+            if fits(device, head):
+                return pending.pop(0)
+            if not head.waited:
+                head.waited = True
+                self.waited += 1
+            if not self.backfill or held(device) - held(device, backfilled_only=True) + head.weight <= self.capacity:
+                return None  # no read-ahead; or the head waits only for backfilled jobs here: it must not starve
+            for i, job in enumerate(pending[1:], 1):
+                if backfills(device, job):
+                    return pending.pop(i)
+            while len(pending) <= self.backfill:
+                job = read()
+                if job is None:
+                    return None
+                if backfills(device, job):
+                    return job
+                pending.append(job)
             return None
 
         def release(i: int) -> _Job:
@@ -343,13 +391,13 @@ class WorkerPool:
                 return retry
             if self.weigh is not None:
                 return admitted(device)
-            if not queue:  # reads the next job from ``jobs`` (only now: a slot is idle)
+            if stopped() or not queue:  # reads the next job from ``jobs`` (only now: a slot is idle)
                 return None
             key, request = queue.pop()
             return _Job(key, request)
 
         try:
-            while busy or retries or queue or waiting:  # busy first: the next job is read only when a slot is idle
+            while busy or retries or more():  # busy first: the next job is read only when a slot is idle
                 for i, w in enumerate(self.workers):
                     if i in busy:
                         continue

@@ -566,3 +566,44 @@ def test_a_job_heavier_than_the_gpu_lends_runs_alone_once_in_a_fresh_child(tmp_p
     done = {f.key: f for f in run_list(pool, items)}
     assert done["huge"].rows[0]["retried"] == "out of memory while sharing cuda:0 with 2 workers; re-run alone"
     assert [e[0] for e in events(tmp_path / "c") if e[1] == "huge"] == ["start", "end", "start", "end"]
+
+
+def test_backfill_runs_small_jobs_beside_a_waiting_large_one_and_never_delays_it():
+    """With ``backfill``, the small jobs behind a large job that cannot start yet (b2: 8 of 10 GiB beside b1's 8) run
+    in the room it cannot use, within the capacity; once b1 has ended, none starts before b2 (it waits for nothing but
+    the short ones already running). Control: without backfill the small jobs wait behind b2 (head-of-line)."""
+    weights = {"b1": 8, "b2": 8, **{f"s{i}": 1 for i in range(8)}}
+    sleeps = {"b1": 0.6, "b2": 0.1, **{f"s{i}": 0.05 for i in range(8)}}
+    slots = plan_slots(3, "cuda", tokens=["0"], cpu_count=12)
+
+    pool = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB,
+                      backfill=16)
+    seen = pool_view(pool, weighed(weights, sleeps))
+    assert sorted(k for e, k in seen if e == "end") == sorted(weights)  # every job ran once
+    assert all(total <= 10 for total, _ in running_weights(seen, weights))
+    assert seen[0] == ("start", "b1") and pool.backfilled > 0
+    assert seen.index(("start", "s0")) < seen.index(("start", "b2"))  # a small job went past the waiting b2
+    between = seen[seen.index(("end", "b1")):seen.index(("start", "b2"))]
+    assert [k for e, k in between if e == "start"] == []  # b1 gone: nothing more jumps ahead of b2
+
+    control = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+    seen = pool_view(control, weighed(weights, sleeps))
+    assert [k for e, k in seen if e == "start"][:2] == ["b1", "b2"] and control.backfilled == 0
+
+
+def test_a_stop_starts_no_further_job_read_ahead_or_not():
+    """``stop()`` (a spent time budget) starts nothing more, the jobs read ahead for backfill included: the caller's
+    record of what started (``on_start``) is what ran, so it can list the rest as not run."""
+    weights = {"b1": 8, "b2": 8, **{f"s{i}": 1 for i in range(6)}}
+    sleeps = {"b1": 0.4, "b2": 0.05, **{f"s{i}": 0.05 for i in range(6)}}
+    slots = plan_slots(3, "cuda", tokens=["0"], cpu_count=12)
+    pool = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB,
+                      backfill=16)
+    started = []
+    try:
+        done = [f.key for f in pool.run(weighed(weights, sleeps), on_start=lambda k, _: started.append(k),
+                                        stop=lambda: len(started) >= 3)]
+    finally:
+        pool.close()
+    assert len(started) == 3 and sorted(done) == sorted(started)  # what started ran; nothing else did
+    assert started[0] == "b1" and "b2" not in started  # b2 waited, two small ones backfilled, then the stop
