@@ -128,6 +128,7 @@ class _Job:
     weight: int = 0  # its expected peak GPU bytes (memory admission; 0 without it)
     backfilled: bool = False  # started past a waiting job, in room that job could not use (memory admission)
     waited: bool = False  # found no room when it was first weighed (counted once in WorkerPool.waited)
+    first_run: bool = False  # a pending run alone that has not run before (a stop drops it, unlike a re-run)
 
 
 class Worker:
@@ -297,6 +298,7 @@ class WorkerPool:
         def stopped() -> bool:
             if stop is not None and stop():
                 pending.clear()
+                retries[:] = [job for job in retries if not job.first_run]  # never started: not run, as pending
                 return True
             return False
 
@@ -346,7 +348,7 @@ class WorkerPool:
                 pending.pop(0)
                 retries.append(_Job(head.key, head.request, f"expected to need more than the "
                                     f"{self.capacity / 2**30:.0f} GiB {device} lends its {sharing[device]} workers; "
-                                    "run alone", device, head.weight))
+                                    "run alone", device, head.weight, first_run=True))
                 return None
             if fits(device, head):
                 return pending.pop(0)
@@ -377,6 +379,7 @@ class WorkerPool:
         def next_job(i: int) -> Optional[_Job]:
             """The job for idle worker ``i``, or ``None`` (nothing for it now)."""
             device = labels[i]
+            stopped()  # a stop drops the runs alone that never started, before one is picked
             if device in alone:
                 return None  # its device is lent to a retry running alone
             retry = next((job for job in retries if job.device == device), None)
@@ -397,7 +400,7 @@ class WorkerPool:
             return _Job(key, request)
 
         try:
-            while busy or retries or more():  # busy first: the next job is read only when a slot is idle
+            while busy or more() or retries:  # busy first: the next job is read only when a slot is idle
                 for i, w in enumerate(self.workers):
                     if i in busy:
                         continue

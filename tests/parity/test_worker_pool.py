@@ -569,25 +569,31 @@ def test_a_job_heavier_than_the_gpu_lends_runs_alone_once_in_a_fresh_child(tmp_p
 
 
 def test_backfill_runs_small_jobs_beside_a_waiting_large_one_and_never_delays_it():
-    """With ``backfill``, the small jobs behind a large job that cannot start yet (b2: 8 of 10 GiB beside b1's 8) run
-    in the room it cannot use, within the capacity; once b1 has ended, none starts before b2 (it waits for nothing but
-    the short ones already running). Control: without backfill the small jobs wait behind b2 (head-of-line)."""
-    weights = {"b1": 8, "b2": 8, **{f"s{i}": 1 for i in range(8)}}
-    sleeps = {"b1": 0.6, "b2": 0.1, **{f"s{i}": 0.05 for i in range(8)}}
-    slots = plan_slots(3, "cuda", tokens=["0"], cpu_count=12)
+    """With ``backfill``, the jobs behind a large job that cannot start yet (b2: 9 of 10 GiB beside b1's 5) run in the
+    room it cannot use, each only where it fits (m6: 6 beside b1's 5 does not; the job heavier than the GPU behind b2 never
+    backfills); once b1 has ended, none starts before b2, though small ones would still fit beside the ones running
+    (b2 waits only for those). Control: without backfill the small jobs wait behind b2 (head-of-line)."""
+    # 40 small jobs of 0.1 s on 5 workers outlast b1 (0.3 s) whatever the load: some are left when b2 may start
+    weights = {"b1": 5, "b2": 9, "m6": 6, "huge": 30, **{f"s{i}": 1 for i in range(40)}}
+    sleeps = {"b1": 0.3, "b2": 0.05, "m6": 0.05, "huge": 0.05, **{f"s{i}": 0.1 for i in range(40)}}
+    order = ["b1", "b2", "m6", "huge", *[f"s{i}" for i in range(40)]]
+    slots = plan_slots(6, "cuda", tokens=["0"], cpu_count=24)
+    items = [(k, {"id": k, "do": "pass", "sleep": sleeps[k]}) for k in order]
 
     pool = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB,
-                      backfill=16)
-    seen = pool_view(pool, weighed(weights, sleeps))
+                      backfill=64)
+    seen = pool_view(pool, items)
     assert sorted(k for e, k in seen if e == "end") == sorted(weights)  # every job ran once
-    assert all(total <= 10 for total, _ in running_weights(seen, weights))
+    assert all(total <= 10 or n == 1 for total, n in running_weights(seen, weights))  # over the capacity only alone
     assert seen[0] == ("start", "b1") and pool.backfilled > 0
     assert seen.index(("start", "s0")) < seen.index(("start", "b2"))  # a small job went past the waiting b2
+    assert seen.index(("start", "m6")) > seen.index(("end", "b1"))  # 6 beside b1's 5: no room
     between = seen[seen.index(("end", "b1")):seen.index(("start", "b2"))]
     assert [k for e, k in between if e == "start"] == []  # b1 gone: nothing more jumps ahead of b2
+    assert any(k.startswith("s") for e, k in seen[seen.index(("start", "b2")):] if e == "start")  # some were left
 
     control = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
-    seen = pool_view(control, weighed(weights, sleeps))
+    seen = pool_view(control, items)
     assert [k for e, k in seen if e == "start"][:2] == ["b1", "b2"] and control.backfilled == 0
 
 
@@ -607,3 +613,24 @@ def test_a_stop_starts_no_further_job_read_ahead_or_not():
         pool.close()
     assert len(started) == 3 and sorted(done) == sorted(started)  # what started ran; nothing else did
     assert started[0] == "b1" and "b2" not in started  # b2 waited, two small ones backfilled, then the stop
+
+
+def test_a_stop_drops_a_run_alone_that_has_not_started(tmp_path):
+    """A job heavier than the GPU lends waits as a run alone for its device to go idle; a stop meanwhile (the budget)
+    drops it like any job not started, while a re-run alone of a job that already ran still runs."""
+    weights = {"a": 5, "huge": 30}
+    slots = plan_slots(2, "cuda", tokens=["0"], cpu_count=8)
+    pool = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+    started, t0 = [], time.monotonic()
+    try:  # the stop comes while "a" runs (2 s), after "huge" became a run alone waiting for the GPU to go idle
+        done = [f.key for f in pool.run([("a", {"id": "a", "do": "pass", "sleep": 2.0}),
+                                          ("huge", {"id": "huge", "do": "pass", "sleep": 0.0})],
+                                         on_start=lambda k, _: started.append(k),
+                                         stop=lambda: "a" in started and time.monotonic() - t0 > 0.5)]
+    finally:
+        pool.close()
+    assert started == ["a"] and done == ["a"]
+    # control: no stop, the run alone runs
+    pool = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+    assert sorted(f.key for f in run_list(pool, [("a", {"id": "a", "do": "pass", "sleep": 0.1}),
+                                                 ("huge", {"id": "huge", "do": "pass", "sleep": 0.0})])) == ["a", "huge"]
