@@ -201,12 +201,11 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         if s not in SECTIONS + OPT_IN_SECTIONS:
             raise CaseError("sections", f"unknown section {s!r} (known: {', '.join(SECTIONS + OPT_IN_SECTIONS)})")
     if args.gate_runs:
-        from bench.gate import RUN_LABELS  # noqa: PLC0415 — only where runs are named
+        from bench.gate import unknown_runs  # noqa: PLC0415 — only where runs are named
 
-        for run in _csv(args.gate_runs):
-            if run not in RUN_LABELS:
-                raise CaseError("gate-runs", f"unknown run {run!r} (runs are cold and warm, in order; name one again "
-                                             "to repeat it: cold,warm,warm)")
+        why = unknown_runs(_csv(args.gate_runs))
+        if why:
+            raise CaseError("gate-runs", why)
     scopes = _csv(args.scope) or ["core", "layer"]
     for s in scopes:
         if s not in ("core", "layer"):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from bench.harness import case_rows, engine_phases
+from parity.run.results import read_rows
 from bench.targets import TARGETS
 from fused.kernels import compile_cache
 
@@ -43,7 +44,9 @@ def gate_command(suite: str, provider: str, workers: str, out: Path, limit: Opti
 
 def summarize_results(path: Path) -> dict[str, Any]:
     """Outcome counts and per-phase seconds summed over the case rows of one ``results.jsonl``."""
-    rows = case_rows(path) if path.is_file() else []
+    every = read_rows(path) if path.is_file() else []
+    rows = [row for row in every if row.get("type") == "case"]
+    end = every[-1] if every and every[-1].get("type") == "end" else {}  # none: a killed run
     outcomes: dict[str, int] = {}
     for row in rows:
         outcomes[row["outcome"]] = outcomes.get(row["outcome"], 0) + 1
@@ -53,22 +56,7 @@ def summarize_results(path: Path) -> dict[str, Any]:
     return {"cases": cases, "outcomes": outcomes, "phases_s": {k: round(v, 2) for k, v in phases.items()},
             "phase_share": {k: round(v / total, 4) for k, v in phases.items()},
             "device_memory": sum(row.get("decided_by") == "device-memory" for row in rows),
-            "occupancy": _end_row(path).get("occupancy")}
-
-
-def _end_row(path: Path) -> dict[str, Any]:
-    """The closing ``end`` row of a ``results.jsonl`` (``{}`` when there is none: a killed run)."""
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []
-    except OSError:
-        return {}
-    for line in reversed(lines):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        return row if isinstance(row, dict) and row.get("type") == "end" else {}
-    return {}
+            "occupancy": end.get("occupancy")}
 
 
 def collect_compile_stats(stats_dir: Path) -> dict[str, Any]:
@@ -90,6 +78,15 @@ def collect_compile_stats(stats_dir: Path) -> dict[str, Any]:
 
 
 RUN_LABELS = ("cold", "warm")  # cold empties the compiled-kernel cache first; warm runs over it as it is
+
+
+def unknown_runs(runs: Sequence[str]) -> Optional[str]:
+    """Why ``runs`` (``--gate-runs``) is not a list of :data:`RUN_LABELS`, else None."""
+    unknown = sorted(set(runs) - set(RUN_LABELS))
+    if not unknown:
+        return None
+    return (f"unknown run {', '.join(unknown)} (runs are {' and '.join(RUN_LABELS)}, in order; name one again to "
+            "repeat it: cold,warm,warm)")
 
 
 def kernel_pace(wall_s: float, cases: int, impl_s: float) -> dict[str, Any]:
@@ -161,10 +158,9 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
     deadline = None if budget_s is None else clock() + budget_s
     section: dict[str, Any] = {"suite": suite, "impl": impl, "provider": provider, "workers": workers, "limit": limit,
                                "cache_dir": str(cache_dir), "runs": []}
-    unknown = sorted(set(runs) - set(RUN_LABELS))
-    if unknown:
-        raise ValueError(f"--gate-runs: unknown run {', '.join(unknown)} (runs are {' and '.join(RUN_LABELS)}, in "
-                         "order; name one again to repeat it)")
+    why = unknown_runs(runs)
+    if why:
+        raise ValueError(f"--gate-runs: {why}")
     seen: dict[str, int] = {}
     for label in runs:
         seen[label] = seen.get(label, 0) + 1

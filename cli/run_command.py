@@ -27,6 +27,7 @@ from parity.run.shard import parse_workers
 from parity.run.usage import check_run_options
 
 from cli import report_command
+from cli.gate_command import strip_options  # the run row keeps the gate's manifest as ``gate``, not in its argv
 from cli.options import run_options, select_cases, selection_record
 
 
@@ -153,19 +154,6 @@ def _gate_manifest(args: argparse.Namespace) -> Optional[dict]:
     return manifest
 
 
-def _without_manifest(tokens) -> list[str]:
-    """``tokens`` without ``--gate-manifest JSON`` (kept on the run row as ``gate``, not repeated in its ``argv``)."""
-    out, skip = [], False
-    for token in tokens:
-        if skip:
-            skip = False
-        elif token == "--gate-manifest":
-            skip = True
-        elif not token.startswith("--gate-manifest="):
-            out.append(token)
-    return out
-
-
 def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_override: Optional[Path] = None,
                          link_override: Optional[Path] = None) -> tuple[dict, int, Path, Optional[Path]]:
     check_run_options(args)
@@ -191,7 +179,7 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
     check_memory(cases, options.torch_device())
     config = RunConfig(suite=label, options=options, out_dir=out_dir, oracle=oracle, resume=args.resume,
                        isolate=args.isolate, timeout=args.timeout, junit=args.junit,
-                       argv=["dsv4-parity", *_without_manifest(getattr(args, "argv", sys.argv[1:]))],
+                       argv=["dsv4-parity", *strip_options(getattr(args, "argv", sys.argv[1:]), {"--gate-manifest": True})],
                        run_id=run_id, quiet=args.quiet, workers=parse_workers(getattr(args, "workers", "1")),
                        threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None),
                        force=getattr(args, "force", False), link=link, selection=selection_record(label, cases),

@@ -16,6 +16,11 @@ from typing import Optional
 OUT_OF_MEMORY_MARKERS = ("outofmemoryerror", "out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
 
 
+def first_failure(row: dict) -> dict:
+    """A case row's ``first_failure`` ({} where it has none): where torch's own message is kept."""
+    return row["first_failure"] if isinstance(row.get("first_failure"), dict) else {}
+
+
 def says_out_of_memory(text: str) -> bool:
     """Whether ``text`` (an exception's message, a case row's) says the device ran out of memory
     (:data:`OUT_OF_MEMORY_MARKERS`, any case)."""

@@ -151,8 +151,7 @@ LARGER_GPU = 1.01
 
 def _capacity_of(case_row: dict) -> Optional[int]:
     """The GPU capacity (bytes) torch's out-of-memory message of a ``device-memory`` row names, or None."""
-    failure = case_row.get("first_failure")
-    text = failure.get("message") if isinstance(failure, dict) else None
+    text = out_of_memory.first_failure(case_row).get("message")
     need = out_of_memory.least_need(text) if isinstance(text, str) else None
     return need[1] if need else None
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from parity.run.out_of_memory import beyond_device, does_not_fit, plausible_need, says_out_of_memory
+from parity.run.out_of_memory import beyond_device, does_not_fit, first_failure, plausible_need, says_out_of_memory
 
 MARK = "@@dsv4-parity@@ "
 REPO = Path(__file__).resolve().parents[2]
@@ -72,16 +72,11 @@ class Finished:
     retried: Optional[str] = None
 
 
-def _first_failure(row: dict) -> dict:
-    """A case row's ``first_failure`` ({} where it has none)."""
-    return row["first_failure"] if isinstance(row.get("first_failure"), dict) else {}
-
-
 def _note_beyond_device(row: dict) -> Optional[str]:
     """When the out-of-memory ``row`` shows that its case needs more than the whole GPU
     (:func:`parity.run.out_of_memory.beyond_device`), say so in its ``message`` (and ``first_failure.message``):
     a re-run alone would only run out again, so the pool makes none. Returns the sentence, else None."""
-    first = _first_failure(row)
+    first = first_failure(row)
     text = " ".join(t for t in (row.get("message"), first.get("message")) if isinstance(t, str))
     beyond = beyond_device(text)
     if beyond is not None:
@@ -100,7 +95,7 @@ def _alone_does_not_fit(row: dict) -> None:
     where = row.get("failed_at") if isinstance(row.get("failed_at"), dict) else {}
     if not (is_out_of_memory(row) and where.get("implementation_run")):
         return
-    stage, text = str(where.get("stage")), _first_failure(row).get("message") or row.get("message") or ""
+    stage, text = str(where.get("stage")), first_failure(row).get("message") or row.get("message") or ""
     sentence = does_not_fit(stage, text) if plausible_need(text, alone=True) else None
     if sentence is not None:  # torch's message as the engine keeps it (no "<stage>: " before it)
         text = text[len(stage) + 2:] if text.startswith(stage + ": ") else text
@@ -113,7 +108,7 @@ def is_out_of_memory(row: Any) -> bool:
     ``first_failure.message`` :func:`says_out_of_memory`)."""
     if not isinstance(row, dict) or row.get("outcome") != "error":
         return False
-    texts = (row.get("message"), _first_failure(row).get("message"))
+    texts = (row.get("message"), first_failure(row).get("message"))
     return says_out_of_memory(" ".join(t for t in texts if isinstance(t, str)))
 
 
@@ -333,8 +328,6 @@ class WorkerPool:
 
         def admitted(device) -> Optional[_Job]:
             """The next job for ``device`` under memory admission (the class docstring), else None."""
-            if stopped():
-                return None
             if not pending:
                 job = read()
                 if job is None:
@@ -379,7 +372,7 @@ class WorkerPool:
         def next_job(i: int) -> Optional[_Job]:
             """The job for idle worker ``i``, or ``None`` (nothing for it now)."""
             device = labels[i]
-            stopped()  # a stop drops the runs alone that never started, before one is picked
+            halted = stopped()  # a stop drops the runs alone that never started, before one is picked
             if device in alone:
                 return None  # its device is lent to a retry running alone
             retry = next((job for job in retries if job.device == device), None)
@@ -392,9 +385,11 @@ class WorkerPool:
                     if labels[j] == device and other.alive:  # its own child too: the retry starts a fresh one
                         other.stop()  # an idle child still holds its CUDA context and cached blocks
                 return retry
+            if halted:
+                return None
             if self.weigh is not None:
                 return admitted(device)
-            if stopped() or not queue:  # reads the next job from ``jobs`` (only now: a slot is idle)
+            if not queue:  # reads the next job from ``jobs`` (only now: a slot is idle)
                 return None
             key, request = queue.pop()
             return _Job(key, request)
