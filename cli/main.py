@@ -16,6 +16,7 @@ unknown suite or implementation).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -108,9 +109,13 @@ def cmd_metamorphic(args: argparse.Namespace) -> int:
 
 # ---- parser ----------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4-parity", description=DESCRIPTION,
+    # no abbreviated options (``--base`` for ``--baseline``): a run records its argv (the run row, a gate's manifest,
+    # each repro line) and a resume reads options back from it by their full names; an abbreviation would slip past
+    # that check, and one that is unique today becomes ambiguous when an option is added
+    parser = argparse.ArgumentParser(prog="dsv4-parity", description=DESCRIPTION, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
 
     run = sub.add_parser("run", help="run parity cases (or a metamorphic oracle) and stream results.jsonl",
                          description=DESCRIPTION, epilog=RUN_EPILOG,

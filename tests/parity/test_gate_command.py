@@ -183,6 +183,10 @@ def test_a_resumed_gate_of_one_path_judges_as_it_was_started(tmp_path, capsys):
     _killed(out)
     assert main(["gate", "--out", str(out), "--resume", "--baseline", "cpu/smoke"]) == 2
     assert "--baseline: conflicts with the gate being resumed" in capsys.readouterr().err
+    # ... and so is the same option abbreviated (argparse would take `--base` for `--baseline`, past that check)
+    with pytest.raises(SystemExit) as usage:
+        main(["gate", "--out", str(out), "--resume", "--base", "cpu/smoke"])
+    assert usage.value.code == 2 and "unrecognized arguments: --base cpu/smoke" in capsys.readouterr().err
     # negative control: a gate recorded with the default baseline fails on the missing one when resumed
     other = tmp_path / "auto"
     assert gate("--paths", "torch", "--baselines-dir", empty, "--out", str(other)) == 1
