@@ -28,7 +28,7 @@ for stage in "$@"; do
         tests/reference/test_cuda.py > "$out/pytest-cuda.txt" 2>&1
       note "cuda tests: exit $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$out/pytest-cuda.txt")" ;;
     fused|production)
-      impl=fused runs=cold,warm,warm
+      impl=fused runs="${RUNS:-cold,warm,warm}"  # RUNS=cold,warm: one warm run (no spread) where a call is short
       [ "$stage" = production ] && impl=megatron runs=warm
       python3 -m cli bench --sections gate --gate-impl "$impl" --gate-runs "$runs" --gate-cache-dir "$cache" \
         --gate-dir "/tmp/gate-$stage" --json "$out/bench-$stage.json" --no-plot > "$out/bench-$stage.log" 2>&1

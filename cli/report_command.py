@@ -174,9 +174,13 @@ def compare_command(args: argparse.Namespace) -> int:
                 console.print("not gated against a baseline (--baseline none)")
                 continue
             codes.append(_compare_one(resolve_results(path), chosen[name], args, console))
+        if not codes:  # as for one run: a comparison against no baseline compares nothing, and passes nothing
+            raise ReportError("--baseline", f"no path of the gate {directory} was compared "
+                                            f"({', '.join(name for name, _ in runs) or 'it has no paths'}): name a "
+                                            f"baseline (auto, or PATH=NAME) for at least one")
     except ReportError as error:
         return _fail("compare", error)
-    return max(codes, default=0)
+    return max(codes)
 
 
 def _compare_one(results: Path, name: str, args: argparse.Namespace, console) -> int:

@@ -16,9 +16,12 @@
 (``megatron-unfused-smoke``, ``megatron-cudnn-gate``: each production path has its own). Library versions go into
 ``<name>`` when they matter (e.g. ``h200/smoke-cudnn9.10``); ``env.json`` always records them.
 
-A baseline is named (``--baseline``) by, in this order: a path (a baseline directory, a run directory or a
-``results.jsonl`` — any earlier run can serve), ``<arch>/<name>`` under the baselines root, or a bare ``<name>``
-looked up under the current run's own arch.
+A baseline is named (``--baseline``) by ``<arch>/<name>`` (under the baselines root), a bare ``<name>`` (under the
+current run's own arch), or a path: a baseline directory, a run directory or a ``results.jsonl`` — any earlier
+*complete* run can serve. A name (:data:`NAME`: ``NAME`` or ``ARCH/NAME`` of ``[A-Za-z0-9._-]``) is only ever looked up
+under the baselines root, never in the working directory, so a stray ``cpu/smoke`` run directory where ``make parity``
+runs cannot stand in for the committed ``cpu/smoke``; a path must say it is one (``/…``, ``./…``, ``../…``, ``~/…``, or
+more than two parts).
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ METRICS_NAME = "metrics.csv"
 ENV_NAME = "env.json"
 GATE_NAME = "gate.json"
 PEAKS_NAME = "memory.csv"
+#: a baseline's name: ``NAME`` or ``ARCH/NAME`` (what ``--update`` writes and ``--baseline`` looks up under the root)
+NAME = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?")
+
+
+def is_name(text: str) -> bool:
+    """Whether ``text`` names a baseline under the root (:data:`NAME`, no part ``.`` / ``..``), not a path."""
+    return bool(NAME.fullmatch(text)) and not any(part in (".", "..") for part in text.split("/"))
 
 
 @dataclass
@@ -132,21 +142,39 @@ def _stream_reasons(results: Path) -> dict[str, int]:
 
 
 def _from_run(name: str, results: Path) -> Baseline:
-    """An earlier run as the baseline: its ``results.csv`` when newer than the JSONL, else the JSONL itself."""
+    """An earlier run as the baseline: its ``results.csv`` when newer than the JSONL, else the JSONL itself. Only a
+    complete run (an ``end`` row, every case started, none cut off): a partial one would gate only the work it did."""
     csv = results.parent / CSV_NAME
     if csv.is_file() and csv.stat().st_mtime >= results.stat().st_mtime:
         run, end = peek_run(results)
+        _refuse_partial(name, ended_complete(end), end, [])
         table = read_csv(csv)
         return Baseline(name=name, path=results.parent, table=table,
                         env=provenance(run, _counts(table), ended_complete(end), end, _stream_reasons(results)))
     data = load_run(results)
+    _refuse_partial(name, data.complete, data.end, data.cut)
     return Baseline(name=name, path=results.parent, table=metrics_table(data),
                     env=provenance(data.run, data.counts, data.complete, reasons=reason_counts(data.cases)))
 
 
+def _refuse_partial(name: str, complete: bool, end: dict[str, Any] | None, cut: list[str]) -> None:
+    if end is None:
+        why = "has no 'end' row (it died, was killed or is still running)"
+    elif not complete:
+        why = f"left {len(end.get('not_run') or [])} case(s) unstarted (--budget-s)"
+    elif cut:
+        why = f"has {len(cut)} case(s) cut off (e.g. {cut[0]})"
+    else:
+        return
+    raise ReportError("--baseline", f"run {name} {why}: a partial run cannot be a baseline (it would gate only the "
+                                    f"work it did); finish it with `dsv4-parity run --out DIR --resume`")
+
+
 def load_baseline(name: str, *, current: RunData | None = None, root: Path = BASELINES_ROOT) -> Baseline:
     """Resolve and read a baseline (see the module docstring for how ``name`` is looked up)."""
-    path = Path(name)
+    if is_name(name):
+        return _under_root(name, current, root)
+    path = Path(name).expanduser()
     if path.is_file() and path.name == RESULTS_NAME:
         return _from_run(name, path)
     if path.is_dir():
@@ -155,6 +183,11 @@ def load_baseline(name: str, *, current: RunData | None = None, root: Path = BAS
         if (path / RESULTS_NAME).is_file():
             return _from_run(name, path / RESULTS_NAME)
         raise ReportError("--baseline", f"{path} holds neither {METRICS_NAME} nor {RESULTS_NAME}")
+    raise ReportError("--baseline", f"no baseline directory, run directory or {RESULTS_NAME} at {path}")
+
+
+def _under_root(name: str, current: RunData | None, root: Path) -> Baseline:
+    """Baseline ``name`` (``ARCH/NAME``, or ``NAME`` under the current run's arch) under ``root``."""
     tried = []
     for candidate in ([root / name] if "/" in name else []) + \
             ([root / arch_of(current.env if current else None) / name] if "/" not in name else []):
@@ -162,7 +195,10 @@ def load_baseline(name: str, *, current: RunData | None = None, root: Path = BAS
         if (candidate / METRICS_NAME).is_file():
             return _baseline_dir(name, candidate)
     known = ", ".join(available(root)) or "none yet"
-    raise ReportError("--baseline", f"no baseline {name!r} (looked for {' and '.join(tried)}); available: {known}")
+    local = (f"; a path {name!r} exists here: a baseline name is looked up under the baselines root only, so to "
+             f"use that run or directory name it as a path (./{name})" if Path(name).exists() else "")
+    raise ReportError("--baseline", f"no baseline {name!r} (looked for {' and '.join(tried)}); available: "
+                                    f"{known}{local}")
 
 
 def _baseline_dir(name: str, path: Path) -> Baseline:
@@ -243,7 +279,7 @@ def default_baseline(data: RunData, root: Path = BASELINES_ROOT) -> str | None:
 def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path = BASELINES_ROOT,
                   gate: GateConfig | None = None) -> Path:
     """Write ``table`` as baseline ``name`` (``<arch>/<name>``, or a bare name under the run's arch)."""
-    if not re.fullmatch(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?", name) or ".." in name:
+    if not is_name(name) or ".." in name:
         raise ReportError("--baseline", f"baseline names are NAME or ARCH/NAME ([A-Za-z0-9._-]), got {name!r}")
     target = root / (name if "/" in name else f"{arch_of(data.env)}/{name}")
     if data.end is None:

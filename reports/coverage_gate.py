@@ -8,8 +8,12 @@ the gate (:attr:`reports.drift.DriftResult.passed`) fails when any of these hold
 * a case the baseline **ran** (outcome ``pass`` / ``known`` / ``fail``) is now ``unsupported``, or absent from the run;
 * a tensor the baseline compared (a row with a verdict) is missing from a case still in the run (an ``error``, a
   case cut off mid-write, an implementation that stopped providing it);
+* a tensor the baseline has the gate **metric** for (``noise_floor_ratio``: the value the drift rule compares) lacks it
+  in the run, though the tensor is there (its metric rows cut off, or no longer written): drift could not judge it;
 * an unsupported **reason** appears that the baseline did not have (:func:`reason_key`: the one-line message with
-  standalone integers as ``N``, so ``indexer_topk=512`` and ``indexer_topk=1024`` are one reason).
+  standalone integers as ``N``, so ``indexer_topk=512`` and ``indexer_topk=1024`` are one reason);
+* the run itself is **incomplete** (:attr:`Coverage.incomplete`, from :func:`reports.load.RunData.incompleteness`): no
+  ``end`` row (killed, cut, still running), cases ``--budget-s`` left unstarted, or cases cut off mid-write.
 
 Cases and tensors only the run has are never gated (suites grow). An intentional loss of coverage is accepted only by
 retaking the baseline (``dsv4-parity compare RUN --update``).
@@ -80,7 +84,9 @@ class Coverage:
 
     ``now_unsupported``: case_id, baseline (its outcome there), reason. ``absent``: ids of cases the baseline ran
     that the run lacks. ``missing_tensors``: case_id, tensor — compared in the baseline, missing from a case still in
-    the run (``errored``: how many of those cases now error). ``reasons``: reason, cases (in the run), baseline (cases there; None when not recorded), new."""
+    the run (``errored``: how many of those cases now error). ``missing_metric``: case_id, tensor — still compared, but
+    without the gate metric the baseline has for it. ``reasons``: reason, cases (in the run), baseline (cases there;
+    None when not recorded), new. ``incomplete``: one phrase per way the run itself is unfinished."""
 
     baseline_ran: int
     compared: int
@@ -94,6 +100,9 @@ class Coverage:
     baseline_unsupported: int = 0
     errored: int = 0
     notes: list[str] = field(default_factory=list)
+    missing_metric: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["case_id", "tensor"]))
+    metric: str = ""
+    incomplete: list[str] = field(default_factory=list)
 
     @property
     def new_reasons(self) -> list[str]:
@@ -101,11 +110,12 @@ class Coverage:
 
     @property
     def lost(self) -> bool:
-        return bool(len(self.now_unsupported) or self.absent or len(self.missing_tensors) or self.new_reasons)
+        return bool(len(self.now_unsupported) or self.absent or len(self.missing_tensors) or self.new_reasons
+                    or len(self.missing_metric) or self.incomplete)
 
     def problems(self) -> list[str]:
         """One plain sentence per way coverage was lost (empty when none was)."""
-        found = []
+        found = [f"the run is incomplete: {why}" for why in self.incomplete]
         if len(self.now_unsupported):
             by_reason = self.now_unsupported["reason"].value_counts()
             listed = "; ".join(f"{shown(str(r))} ({n})" for r, n in by_reason.items())
@@ -119,6 +129,12 @@ class Coverage:
             errored = f" ({self.errored} of them now error)" if self.errored else ""
             found.append(f"{len(self.missing_tensors)} tensor(s) compared in the baseline missing from {cases} case(s) "
                          f"still in the run{errored}, e.g. {examples}")
+        if len(self.missing_metric):
+            cases = self.missing_metric["case_id"].nunique()
+            examples = ", ".join(f"{c}/{t}" for c, t in self.missing_metric.head(EXAMPLES).itertuples(index=False))
+            found.append(f"{len(self.missing_metric)} tensor(s) in {cases} case(s) lack the gate metric {self.metric} "
+                         f"that the baseline has (metric rows cut off or no longer written; drift cannot judge "
+                         f"them), e.g. {examples}")
         for row in self.reasons.loc[self.reasons["new"]].itertuples(index=False):
             found.append(f"new unsupported reason ({row.cases} case(s)): {shown(str(row.reason))}")
         return found
@@ -152,12 +168,14 @@ class Coverage:
 
 
 def coverage_against(current: pd.DataFrame, baseline: pd.DataFrame, *, reasons: Mapping[str, str] | None = None,
-                     baseline_reasons: Mapping[str, int] | None = None) -> Coverage:
+                     baseline_reasons: Mapping[str, int] | None = None, metric: str | None = None,
+                     incomplete: list[str] | None = None) -> Coverage:
     """Coverage of ``current`` against ``baseline`` (metrics tables, :mod:`reports.table`).
 
     ``reasons``: ``{case_id: reason}`` of the run's unsupported cases (:func:`case_reasons`; None: every such case
     reads ``(reason not given)``). ``baseline_reasons``: ``{reason: cases}`` from the baseline's ``env.json``; None
-    when it records none (then inferred, module docstring)."""
+    when it records none (then inferred, module docstring). ``metric``: the drift gate's metric (its values are
+    gated like the tensors; None: not checked). ``incomplete``: how the run itself is unfinished (lost coverage)."""
     cur_outcome, base_outcome = _per_case(current), _per_case(baseline)
     ran = base_outcome[base_outcome.isin(RAN)]
     now = cur_outcome.reindex(ran.index)
@@ -176,6 +194,8 @@ def coverage_against(current: pd.DataFrame, baseline: pd.DataFrame, *, reasons: 
     merged = base_rows.merge(cur_rows, on=["case_id", "tensor"], how="left", indicator=True)
     gone = merged.loc[merged["_merge"] == "left_only", ["case_id", "tensor"]]
     missing = gone.loc[~gone["case_id"].isin(lost_cases)].reset_index(drop=True)
+    missing_metric = _missing_metric(current, baseline, metric) if metric else pd.DataFrame(
+        columns=["case_id", "tensor"])
 
     base_unsupported = base_outcome.index[base_outcome == "unsupported"]
     if baseline_reasons is not None:
@@ -197,4 +217,19 @@ def coverage_against(current: pd.DataFrame, baseline: pd.DataFrame, *, reasons: 
                     baseline_tensors=len(base_rows), tensors=len(base_rows) - len(gone),
                     now_unsupported=now_unsupported, absent=[str(c) for c in absent], missing_tensors=missing,
                     reasons=table, reasons_recorded=recorded, baseline_unsupported=len(base_unsupported),
-                    errored=int((cur_outcome.reindex(missing["case_id"].unique()) == "error").sum()))
+                    errored=int((cur_outcome.reindex(missing["case_id"].unique()) == "error").sum()),
+                    missing_metric=missing_metric, metric=metric or "", incomplete=list(incomplete or []))
+
+
+def _missing_metric(current: pd.DataFrame, baseline: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """``case_id, tensor`` compared in both runs (a verdict in each) whose ``metric`` the baseline has and the run
+    lacks (a tensor missing from the run altogether is :attr:`Coverage.missing_tensors`' to report)."""
+    if metric not in baseline.columns:
+        return pd.DataFrame(columns=["case_id", "tensor"])
+    base = _compared(baseline.loc[baseline[metric].notna()])
+    cur = current.loc[(current["tensor"].astype(str) != "") & current["verdict"].notna()]
+    has = cur.loc[cur[metric].notna()] if metric in cur.columns else cur.iloc[0:0]
+    both = base.merge(_compared(cur), on=["case_id", "tensor"])
+    lacking = both.merge(has[["case_id", "tensor"]].drop_duplicates(), on=["case_id", "tensor"], how="left",
+                         indicator=True)
+    return lacking.loc[lacking["_merge"] == "left_only", ["case_id", "tensor"]].reset_index(drop=True)

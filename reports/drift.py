@@ -178,10 +178,11 @@ def _class_order(name: str) -> tuple[int, str]:
 
 def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateConfig = GateConfig(), *,
                    reasons: Mapping[str, str] | None = None,
-                   baseline_reasons: Mapping[str, int] | None = None) -> DriftResult:
+                   baseline_reasons: Mapping[str, int] | None = None,
+                   incomplete: list[str] | None = None) -> DriftResult:
     """Drift of ``current`` against ``baseline`` (both metrics tables, :mod:`reports.table` schema). ``reasons`` /
-    ``baseline_reasons``: the unsupported reasons of the run's cases and the baseline's counts
-    (:func:`reports.coverage_gate.coverage_against`)."""
+    ``baseline_reasons``: the unsupported reasons of the run's cases and the baseline's counts; ``incomplete``: how
+    the run is unfinished (:func:`reports.coverage_gate.coverage_against`)."""
     config.validate()
     metric = config.metric
     cur = current.loc[current["tensor"].astype(str) != ""]
@@ -230,7 +231,8 @@ def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateCo
                        new_failures=_new_failures(current, baseline, both), only_current=only_current,
                        only_baseline=only_baseline,
                        coverage=coverage_against(current, baseline, reasons=reasons,
-                                                 baseline_reasons=baseline_reasons))
+                                                 baseline_reasons=baseline_reasons, metric=metric,
+                                                 incomplete=incomplete))
 
 
 def _new_failures(current: pd.DataFrame, baseline: pd.DataFrame, both: pd.DataFrame) -> pd.DataFrame:

@@ -153,9 +153,9 @@ def judge(kind: str, name: str, directory: Path, baseline: str | None = "auto", 
         verdict.reasons.append(f"{counts['fail']} case(s) failed" + (f": {listed}{more}" if listed else ""))
     if counts.get("error"):
         verdict.reasons.append(f"{counts['error']} case(s) errored")
-    if not data.complete:
-        verdict.reasons.append(f"incomplete: {len(data.end['not_run'])} case(s) not run (--budget-s)"
-                               if data.end is not None else "incomplete: no end row (killed or cut)")
+    gated = kind == "path" and baseline is not None and rendered.baseline is not None
+    if not gated:  # a gated run's coverage says it (coverage lost: the run is incomplete: ...)
+        verdict.reasons += [f"incomplete: {why}" for why in data.incompleteness()]
     if kind == "path" and baseline is not None:
         if rendered.baseline is None:
             wanted = f"{arch_of(data.env)}/{default_name(data)}"

@@ -59,6 +59,8 @@ class RunData:
     metrics: pd.DataFrame
     end: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
+    #: ids of the cases cut off: fewer tensor + metric rows than their case row's ``n_rows`` (killed, a full disk)
+    cut: list[str] = field(default_factory=list)
 
     @property
     def run_id(self) -> str:
@@ -72,6 +74,19 @@ class RunData:
     @property
     def complete(self) -> bool:
         return ended_complete(self.end)
+
+    def incompleteness(self) -> list[str]:
+        """One phrase per way the run is unfinished (empty for a whole run): no ``end`` row, cases ``--budget-s``
+        left unstarted, cases cut off mid-write (:attr:`cut`)."""
+        found = []
+        if self.end is None:
+            found.append("no end row (killed or cut)")
+        elif not self.complete:
+            found.append(f"{len(self.end.get('not_run') or [])} case(s) not run (--budget-s)")
+        if self.cut:
+            found.append(f"{len(self.cut)} case(s) cut off (fewer rows than their case row records), e.g. "
+                         f"{self.cut[0]}")
+        return found
 
     @property
     def counts(self) -> dict[str, int]:
@@ -203,6 +218,7 @@ def load_run(path: str | Path) -> RunData:
     unknown_types: dict[str, int] = {}
     declared: dict[str, int] = {}  # case_id -> n_rows of its case row
     counted: dict[str, int] = {}  # case_id -> tensor + metric rows seen
+    superseded: dict[str, int] = {}  # case_id reported again -> index of its first metric row of the last report
     unknown_classes: set[str] = set()
 
     fname = path.name
@@ -247,8 +263,12 @@ def load_run(path: str | Path) -> RunData:
                 raise ReportError(f"{where} field 'outcome'", f"must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
             case_id = str(row["case_id"])
             if case_id in cases:
-                warnings.append(f"{where}: case {case_id} reported twice; the later row is used")
+                warnings.append(f"{where}: case {case_id} reported twice; the later report is used")
                 del cases[case_id]  # keep stream order of the last report
+                # and only its rows: the earlier report's tensors and metrics are not this report's
+                for key in [k for k in tensors if k[0] == case_id]:
+                    del tensors[key]
+                superseded[case_id] = len(m_case)
             if isinstance(row.get("n_rows"), int):
                 declared[case_id] = row["n_rows"]
                 counted[case_id] = 0
@@ -286,6 +306,9 @@ def load_run(path: str | Path) -> RunData:
     tensor_frame = pd.DataFrame(list(tensors.values()), columns=list(TENSOR_FRAME_COLUMNS))
     metric_cols["usage"] = _usage(metric_cols)
     metric_frame = pd.DataFrame(metric_cols, columns=list(METRIC_FRAME_COLUMNS))
+    if superseded:  # metric rows of a case's earlier reports
+        since = metric_frame["case_id"].map(superseded)
+        metric_frame = metric_frame.loc[since.isna() | (metric_frame.index >= since)].reset_index(drop=True)
     metric_frame = metric_frame.drop_duplicates(["case_id", "tensor", "metric"], keep="last")
 
     # Tensors named only by metric rows still get a tensor row (no verdict / rule).
@@ -306,7 +329,7 @@ def load_run(path: str | Path) -> RunData:
         metric_frame = metric_frame.loc[metric_frame["case_id"].isin(cases)].reset_index(drop=True)
 
     data = RunData(path=path, run=run_row, cases=case_frame, tensors=tensor_frame, metrics=metric_frame,
-                   end=end_row, warnings=warnings)
+                   end=end_row, warnings=warnings, cut=[c for c in cut if c in cases])
     if end_row is None:
         warnings.append("no 'end' row: the run is still going or was cut; showing the cases so far")
     else:

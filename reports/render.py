@@ -43,7 +43,7 @@ def drift_of(data: RunData, table: pd.DataFrame, base: Baseline, **overrides: ob
     """The drift gate of a run (its metrics ``table``) against ``base``, coverage included (the run's unsupported
     reasons against the ones the baseline recorded)."""
     return compare_tables(table, base.table, gate_for(base, **overrides), reasons=case_reasons(data.cases),
-                          baseline_reasons=base.reasons)
+                          baseline_reasons=base.reasons, incomplete=data.incompleteness())
 
 
 def render_run(run: str | Path, *, baseline: str | None = "auto", console: Console | None = None,

@@ -232,8 +232,9 @@ class WorkerPool:
     memory in bytes (:func:`parity.run.memory.expected_gpu_bytes`), ``capacity`` the bytes one device lends its
     workers. A job starts on a device only if the weights of the jobs running there plus its own fit ``capacity``
     — or nothing runs there (a job heavier than the device lends runs alone, in a fresh child, as a re-run alone
-    does: the module docstring). The jobs keep their order: when the next job (the *head*) fits no device yet, it
-    waits, and the jobs behind it wait their turn — except, with ``backfill`` > 0, a later job that fits the room
+    does: the module docstring; on a device that runs nothing where there is one). The jobs keep their order: when
+    the next job (the *head*) fits no device yet (no idle worker's device has room for it), it waits, and the jobs
+    behind it wait their turn — except, with ``backfill`` > 0, a later job that fits the room
     now while the head could not start there even if every backfilled job there were gone (it waits for the jobs
     that went before it, not for the backfilled ones): up to ``backfill`` jobs are read ahead for that. So the small
     cases run beside a large case that must run nearly alone, and never delay the next large one by more than their
@@ -326,6 +327,20 @@ class WorkerPool:
                 return True
             return False
 
+        def heavy(job: _Job, device) -> _Job:
+            """``job`` (heavier than a device lends its workers) as a run alone on ``device``."""
+            return _Job(job.key, job.request, f"expected to need more than the {self.capacity / 2**30:.0f} GiB "
+                        f"{device} lends its {sharing[device]} workers; run alone", device, job.weight,
+                        first_run=True)
+
+        def open_to(other) -> bool:
+            """Whether an idle worker of device ``other`` may take a new job now (no run alone there, none due)."""
+            return other not in alone and not any(job.device == other for job in retries)
+
+        def free(other) -> bool:
+            """Whether device ``other`` runs nothing and may take a job: a run alone starts there at once."""
+            return open_to(other) and not any(labels[j] == other for j in busy)
+
         def admitted(device) -> Optional[_Job]:
             """The next job for ``device`` under memory admission (the class docstring), else None."""
             if not pending:
@@ -337,14 +352,18 @@ class WorkerPool:
             if head.weight > self.capacity and sharing[device] > 1:
                 # heavier than the device lends its workers: it would run only with nothing else there anyway, so
                 # it runs alone from the start — the device's idle children stopped, in a fresh child — and its
-                # answer is that of a run alone (no doomed first attempt beside their CUDA contexts, no re-run)
+                # answer is that of a run alone (no doomed first attempt beside their CUDA contexts, no re-run);
+                # on a device that runs nothing, where there is one (not on the asking one while it is busy)
+                target = device if free(device) else next(
+                    (d for d in sharing if sharing[d] > 1 and free(d)), device)
                 pending.pop(0)
-                retries.append(_Job(head.key, head.request, f"expected to need more than the "
-                                    f"{self.capacity / 2**30:.0f} GiB {device} lends its {sharing[device]} workers; "
-                                    "run alone", device, head.weight, first_run=True))
+                retries.append(heavy(head, target))
                 return None
             if fits(device, head):
                 return pending.pop(0)
+            if any(j not in busy and labels[j] != device and open_to(labels[j]) and fits(labels[j], head)
+                   for j in range(len(self.workers))):
+                return None  # an idle worker of another device takes it in this pass: it waits for nothing
             if not head.waited:
                 head.waited = True
                 self.waited += 1
@@ -376,6 +395,13 @@ class WorkerPool:
             if device in alone:
                 return None  # its device is lent to a retry running alone
             retry = next((job for job in retries if job.device == device), None)
+            if retry is None and sharing[device] > 1 and free(device):
+                # a run alone from the start still waiting for its busy device: this device runs nothing, it takes it
+                waiting = next((job for job in retries if job.first_run and job.weight > self.capacity
+                                and any(labels[j] == job.device for j in busy)), None)
+                if waiting is not None:
+                    retry = heavy(waiting, device)
+                    retries[retries.index(waiting)] = retry
             if retry is not None:  # no new job on this device until it has run
                 if any(labels[j] == device for j in busy):
                     return None  # wait until the device is idle
@@ -427,9 +453,10 @@ class WorkerPool:
                     elif self.fresh or (rows and rows[0].get("outcome") == "error"):
                         w.stop()  # a poisoned CUDA context must not run the next case
                     device = labels[i]
-                    beyond = _note_beyond_device(rows[0]) if rows and is_out_of_memory(rows[0]) else None
-                    if rows and job.retried is None and sharing[device] > 1 and is_out_of_memory(rows[0]) \
-                            and beyond is None:
+                    shared = job.retried is None and sharing[device] > 1  # it ran beside other workers
+                    # (the note "not re-run alone" only where a re-run alone was in question)
+                    beyond = _note_beyond_device(rows[0]) if rows and shared and is_out_of_memory(rows[0]) else None
+                    if rows and shared and is_out_of_memory(rows[0]) and beyond is None:
                         note = f"out of memory while sharing {device} with {sharing[device]} workers; re-run alone"
                         retries.append(_Job(job.key, job.request, note, device, job.weight))
                         continue

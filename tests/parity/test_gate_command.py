@@ -84,6 +84,10 @@ def test_a_gate_of_two_paths_writes_one_directory_and_ends_on_its_report(tmp_pat
     assert main(["report", str(out), "--baseline", "none", "--format", "markdown"]) == 0
     markdown = capsys.readouterr().out
     assert markdown.startswith("## dsv4-parity gate: **PASS**") and "### path `torch`" in markdown
+    # ... but `compare` (the drift gate) against no baseline on every path compares nothing: a usage error, as for
+    # one run, never a pass
+    assert main(["compare", str(out), "--baseline", "none"]) == 2
+    assert "no path of the gate" in capsys.readouterr().err
 
 
 def test_a_path_without_its_baseline_fails_the_gate(tmp_path, capsys):

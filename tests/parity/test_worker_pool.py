@@ -431,6 +431,11 @@ def test_a_case_that_needs_more_than_the_whole_gpu_is_not_re_run_alone(tmp_path)
     assert [e[0] for e in events(tmp_path) if e[1] == "huge"] == ["start", "end"]  # ran once
     big = next(f for f in done if f.key == "big")
     assert big.rows[0]["retried"] and big.rows[0]["outcome"] == "pass"  # control: a case that fits was re-run
+    # on a GPU with one worker no re-run alone was in question: no "not re-run alone" note (found by review)
+    (tmp_path / "one").mkdir()
+    alone = run_list(WorkerPool(plan_slots(1, "cuda", tokens=["0"]), timeout=30, command=CHILD),
+                     oom_jobs(tmp_path / "one", ("huge", "oom_beyond", 0.0)))
+    assert alone[0].rows[0]["outcome"] == "error" and "not re-run alone" not in alone[0].rows[0]["message"]
     # the bound: PyTorch's allocation (else the whole process) plus the request; None for any other text
     from tests.parity.pool_child import OOM, OOM_BEYOND
 
@@ -634,3 +639,53 @@ def test_a_stop_drops_a_run_alone_that_has_not_started(tmp_path):
     pool = WorkerPool(slots, timeout=60, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
     assert sorted(f.key for f in run_list(pool, [("a", {"id": "a", "do": "pass", "sleep": 0.1}),
                                                  ("huge", {"id": "huge", "do": "pass", "sleep": 0.0})])) == ["a", "huge"]
+
+
+def test_a_job_that_fits_another_idle_gpu_neither_waits_nor_lets_a_later_one_jump_it():
+    """Two GPUs: the waiting job fits the second GPU's idle worker in the same pass, so it is not counted as waiting
+    and backfill starts no later job ahead of it on the first (found by review: ``waited`` 1, ``s`` first).
+    Control: on one GPU the same job does wait, and backfill runs ``s`` beside the large job."""
+    weights = {"b1": 8, "e1": 1, "h": 5, "s": 1}
+    sleeps = {"b1": 0.6, "e1": 0.6, "h": 0.05, "s": 0.05}
+
+    def order(tokens, workers):
+        slots = plan_slots(workers, "cuda", tokens=tokens, cpu_count=16)
+        pool = WorkerPool(slots, timeout=30, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB,
+                          backfill=8)
+        started = []
+        try:
+            list(pool.run([(k, {"id": k, "do": "pass", "sleep": sleeps[k]}) for k in weights],
+                          on_start=lambda k, s: started.append(k)))
+        finally:
+            pool.close()
+        return started, pool.waited, pool.backfilled
+
+    # w0 cuda:0 b1, w1 cuda:1 e1, then h fits cuda:1 (1 + 5 <= 10) though not cuda:0 (8 + 5)
+    assert order(["0", "1"], 4) == (["b1", "e1", "h", "s"], 0, 0)
+    assert order(["0"], 3) == (["b1", "e1", "s", "h"], 1, 1)
+
+
+def test_a_job_heavier_than_the_gpu_lends_runs_alone_on_an_idle_gpu_not_a_busy_one():
+    """Two GPUs of two workers: ``huge`` (over what a GPU lends) is asked for by cuda:0's idle worker while cuda:0
+    runs ``long``; it runs alone on cuda:1, which runs nothing, instead of waiting for ``long`` to end (found by
+    review: it started after ``long``). Control: with one GPU it can only wait for ``long``."""
+    weights = {"long": 1, "first": 1, "huge": 30, "s1": 1}
+    sleeps = {"long": 3.0, "first": 0.0, "huge": 0.05, "s1": 0.05}  # long: cuda:1 frees long before it ends
+
+    def run(tokens):
+        slots = plan_slots(len(tokens) * 2, "cuda", tokens=tokens, cpu_count=16)
+        pool = WorkerPool(slots, timeout=30, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
+        log = []
+        try:
+            for f in pool.run([(k, {"id": k, "do": "pass", "sleep": sleeps[k]}) for k in weights],
+                              on_start=lambda k, s: log.append(("start", k, s.device))):
+                log.append(("end", f.key, f.slot.device))
+        finally:
+            pool.close()
+        return log
+
+    log = run(["0", "1"])
+    start = next(e for e in log if e[:2] == ("start", "huge"))
+    assert start[2] == "cuda:1" and log.index(start) < log.index(("end", "long", "cuda:0"))
+    single = run(["0"])
+    assert single.index(("end", "long", "cuda:0")) < single.index(("start", "huge", "cuda:0"))

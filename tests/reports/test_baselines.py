@@ -155,3 +155,40 @@ def test_a_gpu_runs_case_peaks_are_kept_beside_its_baseline_and_read_back(tmp_pa
     plain.run["env"] = {**plain.env, "gpu": "NVIDIA H200"}
     save_baseline(plain, metrics_table(plain), "gate", root=tmp_path / "b")
     assert not (target / PEAKS_NAME).exists()
+
+
+def test_a_baseline_name_is_never_a_directory_of_the_working_directory(runs, tmp_path, monkeypatch):
+    """``cpu/smoke`` names the committed baseline under the root, even where a run directory ``cpu/smoke`` sits in
+    the working directory (a stray run, or one a pull request adds where ``make parity`` runs): found by review, a
+    two-case run there passed a 51-case gate. A path must say it is one (``./cpu/smoke``)."""
+    data = load_run(runs["base"])
+    save_baseline(data, metrics_table(data), "cpu/smoke", root=tmp_path / "root")
+    work = tmp_path / "work"
+    stray = work / "cpu" / "smoke"
+    stray.mkdir(parents=True)
+    stray.joinpath("results.jsonl").write_text("\n".join(json.dumps(r) for r in rows_of(n_cases=2, run_id="stray"))
+                                               + "\n")
+    monkeypatch.chdir(work)
+    assert load_baseline("cpu/smoke", root=tmp_path / "root").path == tmp_path / "root" / "cpu" / "smoke"
+    assert load_baseline("smoke", current=data, root=tmp_path / "root").path == tmp_path / "root" / "cpu" / "smoke"
+    # control: named as a path, the run in the working directory is the baseline
+    assert load_baseline("./cpu/smoke", root=tmp_path / "root").env["run_id"] == "stray"
+    # a name missing under the root says how to use the local directory instead
+    with pytest.raises(ReportError, match=r"no baseline 'cpu/smoke'.*name it as a path \(\./cpu/smoke\)"):
+        load_baseline("cpu/smoke", root=tmp_path / "empty")
+
+
+@pytest.mark.parametrize("cut", ["no end row", "budget stop"])
+def test_a_partial_run_cannot_be_a_baseline(tmp_path, cut):
+    """A run without its ``end`` row, or one ``--budget-s`` stopped, would gate only the work it did (a run compared
+    with it could skip the rest): refused, as ``--update`` refuses to record one. Control: the whole run loads."""
+    rows = rows_of(n_cases=6, run_id="whole")
+    whole = write_rows(rows, tmp_path / "whole")
+    assert load_baseline(str(whole)).env["run_id"] == "whole"
+    if cut == "no end row":
+        rows = [r for r in rows if r["type"] != "end"]
+    else:
+        rows = [{**r, "not_run": ["0123456789ab"]} if r["type"] == "end" else r for r in rows]
+    partial = write_rows(rows, tmp_path / "partial")
+    with pytest.raises(ReportError, match="a partial run cannot be a baseline"):
+        load_baseline(str(partial))

@@ -225,3 +225,80 @@ def test_a_case_that_now_errors_loses_its_tensors(baseline, tmp_path):
     result = gate(write_rows(broken, tmp_path / "errs"), baseline)
     assert not result.passed and result.coverage.errored == 1
     assert "missing from 1 case(s) still in the run (1 of them now error)" in result.coverage.problems()[0]
+
+
+def engine_order(rows):
+    """The engine's stream order: each ``case`` row first, with ``n_rows``, then its tensor and metric rows (the
+    synthetic runs write the case row last, without ``n_rows``)."""
+    out, pending = [], []
+    for row in rows:
+        if row["type"] in ("tensor", "metric"):
+            pending.append(row)
+        elif row["type"] == "case":
+            out += [{**row, "n_rows": len(pending)}, *pending]
+            pending = []
+        else:
+            out.append(row)
+    return out
+
+
+def test_engine_ordered_stream_passes(baseline, tmp_path, capsys):
+    """Negative control of the three below: the same run in the engine's order, whole, passes."""
+    run = write_rows(engine_order(rows_of(n_cases=N, run_id="whole")), tmp_path / "whole")
+    assert load_run(run).cut == []
+    code, out = compare(run, tmp_path, capsys)
+    assert code == 0 and "coverage lost" not in out
+
+
+def test_a_case_cut_off_mid_write_fails_though_its_tensors_are_there(baseline, tmp_path, capsys):
+    """A case whose metric rows were lost (killed or a full disk after its tensor rows; the end row present) kept
+    a verdict for every tensor: the tensor count was equal and the drift gate compared 920 of 946 pairs and passed.
+    Now its missing gate metric and the cut are both coverage lost."""
+    rows = engine_order(rows_of(n_cases=N, run_id="cutoff"))
+    victim = ran_case_ids(rows, 5)[2]
+    run = write_rows([r for r in rows if not (r["type"] == "metric" and r["case_id"] == victim)], tmp_path / "cutoff")
+    assert load_run(run).cut == [victim]
+    code, out = compare(run, tmp_path, capsys)
+    assert code == 1 and "drift gate: FAIL" in out
+    assert "the run is incomplete: 1 case(s) cut off" in out
+    assert f"lack the gate metric noise_floor_ratio that the baseline has" in out and victim in out
+
+
+def test_a_stream_cut_inside_its_last_case_without_an_end_row_fails_the_drift_gate(baseline, tmp_path, capsys):
+    rows = [r for r in engine_order(rows_of(n_cases=N, run_id="torn")) if r["type"] != "end"]
+    last = [i for i, r in enumerate(rows) if r["type"] == "case" and r["outcome"] == "pass"][-1]
+    stream = write_rows(rows[:last + 1 + rows[last]["n_rows"] // 2], tmp_path / "torn") / "results.jsonl"
+    stream.write_text(stream.read_text() + '{"type": "metric", "case_')  # and a torn last line
+    code, out = compare(stream.parent, tmp_path, capsys)
+    assert code == 1 and "the run is incomplete: no end row (killed or cut)" in out and "cut off" in out
+
+
+@pytest.mark.parametrize("dropped, lost", [("noise_floor_ratio", True), ("max_abs", False)])
+def test_a_tensor_without_the_gate_metric_is_coverage_lost(baseline, tmp_path, capsys, dropped, lost):
+    """Every tensor keeps its verdict but the drift gate's metric is gone for a whole class (an engine change that
+    stops writing it): those tensors were never judged for drift. Control: dropping another metric is not lost
+    coverage (the drift gate compares ``noise_floor_ratio`` alone)."""
+    rows = rows_of(n_cases=N, run_id="nometric")
+    assert any(r["type"] == "metric" and r["metric"] == dropped for r in rows)
+    kept = [r for r in rows if not (r["type"] == "metric" and r["metric"] == dropped
+                                    and r["tensor_class"] == "grad_param")]
+    result = gate(write_rows(kept, tmp_path / "nometric"), baseline)
+    assert result.coverage.lost is lost and (len(result.coverage.missing_metric) > 0) is lost
+    if lost:
+        assert "lack the gate metric noise_floor_ratio" in result.coverage.headline()
+
+
+def test_a_case_reported_again_keeps_only_its_last_reports_rows(baseline, tmp_path, capsys):
+    """A case reported a second time without its rows (``n_rows`` 0, pass) does not inherit the first report's
+    tensors: they are missing, and coverage is lost. Control: reported again with its rows, the gate passes."""
+    rows = engine_order(rows_of(n_cases=N, run_id="twice"))
+    victim = ran_case_ids(rows, 1)[0]
+    first = next(i for i, r in enumerate(rows) if r["type"] == "case" and r["case_id"] == victim)
+    block = rows[first:first + 1 + rows[first]["n_rows"]]
+    end = [r for r in rows if r["type"] == "end"]
+    body = [r for r in rows if r["type"] != "end"]
+    again = write_rows(body + [{**block[0], "n_rows": 0}] + end, tmp_path / "again")
+    result = gate(again, baseline)
+    assert result.coverage.lost and set(result.coverage.missing_tensors["case_id"]) == {victim}
+    whole = write_rows(body + block + end, tmp_path / "whole")
+    assert gate(whole, baseline).passed
