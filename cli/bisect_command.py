@@ -67,6 +67,8 @@ def _print_result(result: bisect.Result, repo: Path, mode: str) -> None:
         _say("  tensors that changed verdict:" + ("" if changed else " none (the case outcome changed)"))
         for cid, name, a, b in changed:
             _say(f"    {cid[:12]} {name}: {a} -> {b}")
+    if result.note:
+        _say(f"note: {result.note}")
     times = [s.seconds for s in result.steps]
     _say(f"{len(times)} steps in {sum(times):.1f} s (per step: min {min(times):.1f} s, median "
          f"{statistics.median(times):.1f} s, max {max(times):.1f} s)")
@@ -87,6 +89,15 @@ def command(args: argparse.Namespace) -> int:
         label, cases = select_cases(args)
         if not cases:
             raise CaseError("case-id", "selects no case")
+        context = {"good": good, "bad": bad, "suite": label, "cases": [c.id for c in cases],
+                   "provider": args.provider}
+        if args.json:  # claimed before any step: an unwritable path fails now, and no earlier file outlives this run
+            try:
+                bisect.write_json(args.json, {**context, "status": "incomplete",
+                                              "why": "the bisect did not finish (interrupted, or a revision could "
+                                                     "not be judged): nothing is blamed"})
+            except OSError as exc:
+                raise CaseError("json", f"cannot write {args.json}: {exc.strerror or exc}") from None
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -125,7 +136,11 @@ def command(args: argparse.Namespace) -> int:
             return 2
     _print_result(result, repo, mode)
     if args.json:
-        bisect.dump(result, mode, args.json)
+        try:
+            bisect.dump(result, mode, args.json, context)
+        except OSError as exc:
+            print(f"error: --json: cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     return 1 if result.status == "skipped-only" else 0
 
 

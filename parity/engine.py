@@ -45,6 +45,7 @@ import torch
 
 from cases.case import Case
 from cases.coverage import features
+from cases.errors import CaseError
 from cases.tensors import materialize
 
 from parity import backward_origin, policy as policy_mod
@@ -203,7 +204,11 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
     and the distance to both) where it matches neither, ``fixed?`` where it now matches the contract; a crash is
     ``known`` only by the exception type and production's raising frame (:mod:`parity.deviations.known`)."""
     result, runs, raised = _decide_case(case, impl, against, options, policy)
-    entries = known.registry_for(impl)
+    try:
+        entries = known.registry_for(impl)
+    except CaseError as exc:  # a malformed registry excuses nothing and hides no verdict: the case keeps its own
+        entries = []
+        result.message += f" [known-deviation registry not applied: {exc}]"
     if entries:
         try:
             provider = impl.resolve_provider(options.provider)
@@ -360,9 +365,12 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
                              "scores": pattern.scores is not None}
     result.topk = report.summary() if report is not None else None
     ran = {p for value in result.plan.values() for p in str(value).split("+")}
-    if options.require and outcome == "pass" and options.require not in ran:
+    if options.require and outcome in ("pass", "fail") and options.require not in ran:
+        # a failure too: without the required provider no known deviation may excuse it (found by review: a
+        # registered deviation turned it `known` and the provider that never ran went unsaid)
+        compared = f"; its comparison: {message}" if outcome == "fail" and message else ""
         outcome, decided_by = "fail", "require"
-        message = f"required provider {options.require!r} did not run (plan: {result.plan or 'none'})"
+        message = f"required provider {options.require!r} did not run (plan: {result.plan or 'none'}){compared}"
         result.first_failure = {"tensor": None, "rule": "require", "message": message}
     if note and outcome == "fail":
         message += f" [{note}]"

@@ -236,8 +236,10 @@ def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateCo
 
 
 def _new_failures(current: pd.DataFrame, baseline: pd.DataFrame, both: pd.DataFrame) -> pd.DataFrame:
-    """Tensors that went pass -> fail, and cases that went pass -> fail/error (one row each). Tensors of a case whose
-    outcome is ``known`` (a registered known deviation) are not new failures."""
+    """Tensors that went pass -> fail, and cases that went pass -> fail/error/known or known -> fail/error (one row
+    each). Tensors of a case whose outcome is ``known`` (a registered known deviation) are not new failures, but the
+    case is when the baseline passed it: the deviation came back, or a new bug has its shape (found by review: the
+    drift gate read pass -> known as no change, and known -> fail as an improvement)."""
     columns = ["case_id", "tensor", "baseline", "current"]
     known = set(current.loc[current["outcome"] == "known", "case_id"]) if "outcome" in current else set()
     tensor_rows = both.loc[(both["verdict_base"] == "pass") & (both["verdict"] == "fail") &
@@ -246,7 +248,8 @@ def _new_failures(current: pd.DataFrame, baseline: pd.DataFrame, both: pd.DataFr
     cur_outcome = current.drop_duplicates("case_id").set_index("case_id")["outcome"]
     base_outcome = baseline.drop_duplicates("case_id").set_index("case_id")["outcome"]
     joined = pd.concat([base_outcome.rename("baseline"), cur_outcome.rename("current")], axis=1, join="inner")
-    worse = joined.loc[(joined["baseline"] == "pass") & joined["current"].isin(["fail", "error"])]
+    worse = joined.loc[((joined["baseline"] == "pass") & joined["current"].isin(["fail", "error", "known"]))
+                       | ((joined["baseline"] == "known") & joined["current"].isin(["fail", "error"]))]
     worse = worse.loc[~worse.index.isin(tensor_rows["case_id"])]  # already listed by tensor
     found.append(worse.reset_index(names="case_id").assign(tensor=""))
     return pd.concat(found, ignore_index=True)[columns]

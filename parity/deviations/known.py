@@ -65,6 +65,9 @@ from parity.judge.padding_dout import TENSOR as CONTRACT
 from parity.run.results import FLOAT_MAX
 
 REQUIRED = ("id", "upstream", "reason", "evidence", "providers", "architectures", "revisions", "match", "expect")
+#: the optional fields of an entry: the cases that show it, the CP sizes it holds at, a prose model of a deviation
+OPTIONAL = ("cases", "cp", "model")
+_ARCH = re.compile(r"\*|sm\d+")
 RAISES = ("type", "file", "function", "lines")
 #: at most this many matching model entries are combined on one case (their subsets are tried)
 MAX_COMBINED = 5
@@ -87,6 +90,19 @@ def validate(entries, source: str) -> list[dict]:
         if entry["id"] in seen:
             raise CaseError(f"{where}.id", f"duplicate id {entry['id']!r}")
         seen.add(entry["id"])
+        # a misspelt field or value would make the entry silently match nothing (or, an empty match, everything)
+        unknown = sorted(set(entry) - set(REQUIRED) - set(OPTIONAL))
+        if unknown:
+            raise CaseError(f"{where}.{unknown[0]}", f"unknown field (known: {', '.join(REQUIRED + OPTIONAL)})")
+        for field in ("providers", "architectures"):
+            values = entry[field]
+            if not (isinstance(values, list) and values and all(isinstance(v, str) and v for v in values)):
+                raise CaseError(f"{where}.{field}", f"must be a non-empty list of names, got {values!r}")
+        bad = [a for a in entry["architectures"] if not _ARCH.fullmatch(a)]
+        if bad:
+            raise CaseError(f"{where}.architectures", f"{bad[0]!r} is not an architecture ('*' or smNN, e.g. sm90)")
+        if not isinstance(entry["match"], dict) or not entry["match"]:
+            raise CaseError(f"{where}.match", "must name at least one case feature (an empty match is every case)")
         _validate_expect(entry["expect"], f"{where}.expect")
         _validate_revisions(entry["revisions"], f"{where}.revisions")
     return entries
@@ -166,9 +182,15 @@ def _same(a: str, b: str) -> bool:
 
 
 def revision_id(revision: str) -> Optional[str]:
-    """The hex commit id in a revision string (``d48bd6be0a``, a 40-hex sha, ``snapshot megatron-lm-dev-<id>``)."""
-    found = _HEX.findall(str(revision).lower())
-    return found[-1] if found else None
+    """The hex commit id of a revision string: the string itself when it is one (``d48bd6be0a``, a 40-hex sha), or
+    the id that ends a snapshot's name (``snapshot megatron-lm-dev-<id>``); None for anything else — above all a
+    tree that is no git checkout (``checkout <path> (not a git work tree)``), whose path may hold hex by chance
+    (``…/megatron-d48bd6be0a-with-my-patch``: found by review, every entry held there)."""
+    text = str(revision).strip().lower()
+    if _HEX.fullmatch(text):
+        return text
+    snapshot = re.fullmatch(r"snapshot \S*-([0-9a-f]{7,40})", text)
+    return snapshot.group(1) if snapshot else None
 
 
 def holds_at(entry: dict, revision: str, is_ancestor: Optional[Callable[[str, str], Optional[bool]]] = None) -> bool:

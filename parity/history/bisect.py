@@ -48,13 +48,19 @@ class CaseVerdict:
     message: str = ""
     repro: str = ""
     registry: Optional[str] = None  # the known-deviation id the registry gave it, if any
+    raised: bool = False  # a ``fail`` because production raised in its own code (a crash, not a numeric failure)
 
     def key(self, mode: str) -> tuple:
-        return (self.outcome, tuple(sorted(self.failing))) if mode == "tensors" else (self.outcome,)
+        """The verdict compared between revisions. A crash in production's own code is its own verdict, never the
+        same as a numeric failure (found by review: a crash between two numeric states moved the blame to the
+        commit that fixed the crash)."""
+        outcome = "fail (raised)" if self.raised else self.outcome
+        return (outcome, tuple(sorted(self.failing))) if mode == "tensors" else (outcome,)
 
     def describe(self) -> str:
         shown = ", ".join(self.failing[:4]) + (f" (+{len(self.failing) - 4})" if len(self.failing) > 4 else "")
-        return self.outcome + (f" ({shown})" if shown else "")
+        return self.outcome + (" (raised in production's code)" if self.raised else "") + (f" ({shown})" if shown
+                                                                                            else "")
 
 
 @dataclass
@@ -84,6 +90,7 @@ class Result:
     last_old: Optional[Step] = None
     candidates: list = field(default_factory=list)
     seconds: float = 0.0
+    note: str = ""  # a sign that the verdict changes more than once in the range (bisect assumes one change)
 
     def changed_tensors(self) -> list[tuple[str, str, str, str]]:
         """``(case id, tensor, verdict before, verdict after)`` for every tensor whose verdict differs."""
@@ -115,7 +122,8 @@ def verdicts_of(rows: list[dict]) -> dict:
                 outcome = known.get("was", "fail")
             out[row["case_id"]] = CaseVerdict(row["case_id"], str(outcome), message=str(row.get("message", "")),
                                               repro=str(row.get("repro", "")),
-                                              registry=known.get("id") if known.get("status") == "reproduced" else None)
+                                              registry=known.get("id") if known.get("status") == "reproduced" else None,
+                                              raised=str(outcome) == "fail" and row.get("decided_by") == "raised")
         elif row.get("type") == "tensor" and row.get("case_id") in out:
             out[row["case_id"]].tensors[str(row.get("tensor"))] = str(row.get("verdict"))
     for verdict in out.values():
@@ -205,9 +213,13 @@ def search(chain: Sequence[git_tree.Commit], good: Step, judge: Callable[[git_tr
     last_old = good if lo < 0 else sides[lo]
     between = [sides[i] for i in range(lo + 1, hi)]
     seconds = time.perf_counter() - start
+    note = ""
+    if sides[hi].key(mode) != bad.key(mode):  # old -> X here, X -> bad's verdict later: two changes at least
+        note = (f"the verdict changes more than once: {sides[hi].commit.label()} differs from {bad.commit.label()} "
+                f"too; bisect assumes one change and reports the one it met")
     if between:  # every revision between the last old and the first new one was skipped
-        return Result("skipped-only", steps, sides[hi], last_old, [*between, sides[hi]], seconds)
-    return Result("found", steps, sides[hi], last_old, seconds=seconds)
+        return Result("skipped-only", steps, sides[hi], last_old, [*between, sides[hi]], seconds, note)
+    return Result("found", steps, sides[hi], last_old, seconds=seconds, note=note)
 
 
 def to_json(result: Result, mode: str) -> dict:
@@ -219,13 +231,25 @@ def to_json(result: Result, mode: str) -> dict:
                 "verdicts": {cid: {"outcome": v.outcome, "failing": list(v.failing), "registry": v.registry}
                              for cid, v in s.verdicts.items()}}
 
-    return {"status": result.status, "by": mode, "seconds": round(result.seconds, 3),
-            "first_new": step(result.first_new) if result.first_new else None,
-            "last_old": step(result.last_old) if result.last_old else None,
+    found = result.status == "found"  # otherwise nothing is blamed: the range's ends are not adjacent
+    return {"status": result.status, "by": mode, "seconds": round(result.seconds, 3), "note": result.note,
+            "first_new": step(result.first_new) if found and result.first_new else None,
+            "last_old": step(result.last_old) if found and result.last_old else None,
+            "range": ({"after": step(result.last_old), "upto": step(result.first_new)}
+                      if not found and result.first_new and result.last_old else None),
             "candidates": [step(s) for s in result.candidates],
-            "changed_tensors": [list(t) for t in result.changed_tensors()],
+            "changed_tensors": [list(t) for t in result.changed_tensors()] if found else [],
             "steps": [step(s) for s in result.steps]}
 
 
-def dump(result: Result, mode: str, path: Path) -> None:
-    Path(path).write_text(json.dumps(to_json(result, mode), indent=1) + "\n", encoding="utf-8")
+def dump(result: Result, mode: str, path: Path, context: Optional[dict] = None) -> None:
+    """Write ``--json`` (``context``: what was asked — revisions, cases, provider — written beside the result)."""
+    write_json(path, {**(context or {}), **to_json(result, mode)})
+
+
+def write_json(path: Path, data: dict) -> None:
+    """``data`` to ``path`` in one step (temporary file + rename): a reader never sees half a file."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, target)

@@ -109,3 +109,68 @@ def test_usage_errors_come_before_any_step(tmp_path, capsys):
     assert "'nosuchrev' names no commit" in capsys.readouterr().err
     assert main(["bisect", "--megatron", str(repo), "--good", "HEAD", "--bad", "HEAD", "--case-id", "c"]) == 2
     assert "the same commit" in capsys.readouterr().err
+
+
+def test_a_crash_in_production_is_its_own_verdict_not_a_numeric_failure():
+    """``fail`` decided by ``raised`` (production raised in its own code) differs from a numeric ``fail`` (found by
+    review: a crash between two numeric states moved the blame to the commit that fixed the crash). Control: two
+    numeric failures of the same tensors are one verdict."""
+    rows = lambda decided: [{"type": "run"}, {"type": "case", "case_id": "a", "outcome": "fail",  # noqa: E731
+                                              "decided_by": decided, "message": "m"}]
+    crash, numeric = bisect.verdicts_of(rows("raised"))["a"], bisect.verdicts_of(rows("noise_floor"))["a"]
+    assert crash.raised and crash.key("outcome") != numeric.key("outcome")
+    assert crash.key("tensors") != numeric.key("tensors") and "raised" in crash.describe()
+    assert numeric.key("outcome") == bisect.verdicts_of(rows("aggregate"))["a"].key("outcome")
+
+
+def test_a_verdict_that_changes_twice_is_flagged():
+    """old -> X -> bad's verdict: the revision met is reported with a note that the verdict changes more than once.
+    Control: one change, no note."""
+    def judge(commit):
+        i = int(commit.sha, 16)
+        state = ("fail", "indexer_loss") if i < 6 else ("unsupported",) if i < 15 else ("pass",)
+        return bisect.Step(commit, "ok", verdict(*state))
+
+    result = bisect.search(CHAIN, good_step(), judge)
+    assert result.status == "found" and "changes more than once" in result.note
+    assert bisect.search(CHAIN, good_step(), judge_for(7)[0]).note == ""
+
+
+def test_the_json_of_a_range_blames_nothing():
+    """``skipped-only``: the range's ends go under ``range``, ``first_new`` / ``last_old`` are null and no tensor is
+    listed as changed (found by review: a reader of ``first_new`` blamed a revision that was not adjacent). Control: a
+    found change names both."""
+    skipped = bisect.to_json(bisect.search(CHAIN, good_step(), judge_for(10, skipped={9, 10, 11})[0]), "outcome")
+    assert skipped["first_new"] is None and skipped["last_old"] is None and skipped["changed_tensors"] == []
+    assert int(skipped["range"]["upto"]["commit"], 16) == 12 and int(skipped["range"]["after"]["commit"], 16) == 8
+    found = bisect.to_json(bisect.search(CHAIN, good_step(), judge_for(10)[0]), "outcome")
+    assert int(found["first_new"]["commit"], 16) == 10 and found["range"] is None and found["changed_tensors"]
+
+
+def test_an_unwritable_json_path_is_a_usage_error_before_any_step(tmp_path, capsys, monkeypatch):
+    """``--json`` into a missing directory: exit 2 before any revision runs (found by review: the traceback came
+    after the whole bisect, with exit 1, the code of "only skipped revisions left"). A writable path is claimed at
+    once with an ``incomplete`` placeholder, so a file from an earlier run never reads as this run's result."""
+    import json
+    import subprocess
+
+    from cli import bisect_command
+    from cli.main import main
+
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    for message in ("one", "two"):
+        subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                        "--allow-empty", "-m", message], check=True)
+    ran = []
+    monkeypatch.setattr(bisect_command.bisect, "run_step", lambda *a, **k: ran.append(a) or (_ for _ in ()).throw(
+        KeyboardInterrupt()))
+    args = ["bisect", "--megatron", str(repo), "--good", "HEAD~1", "--bad", "HEAD", "--case-id", "8cd3769bc4c5"]
+    assert main([*args, "--json", str(tmp_path / "no" / "dir" / "out.json")]) == 2
+    assert "error: json: cannot write" in capsys.readouterr().err and ran == []
+    stale = tmp_path / "out.json"
+    stale.write_text(json.dumps({"status": "found", "stale": True}))
+    assert main([*args, "--json", str(stale)]) == 130  # interrupted in its first step
+    assert len(ran) == 1
+    claimed = json.loads(stale.read_text())
+    assert claimed["status"] == "incomplete" and "stale" not in claimed and claimed["cases"] == ["8cd3769bc4c5"]

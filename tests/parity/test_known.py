@@ -87,6 +87,20 @@ LOSS = entry(id="mean-loss", match={"layout": "thd", "reduction": "mean", "paddi
 PHYSICAL = 8 / 9  # real rows / packed rows of CASE
 
 
+def test_a_required_provider_that_did_not_run_fails_even_a_registered_deviation():
+    """``--require P`` where P never ran: the registered deviation does not make the case ``known`` (found by review:
+    the require check ran only on a pass, so a silent fallback could be excused by an entry verified elsewhere).
+    Control: without ``--require`` the same case is ``known``; a case that passes fails by ``require`` as before."""
+    impl = Implementation("deviant", Deviant("reference", loss=PHYSICAL, registry=[LOSS]))
+    required = run_case(case(), impl, load("reference"), RunOptions(impl="deviant", device="cpu", require="torch"))
+    assert (required.outcome, required.decided_by) == ("fail", "require") and required.known is None
+    assert "required provider 'torch' did not run" in required.message and "its comparison:" in required.message
+    assert run(case(), loss=PHYSICAL, registry=[LOSS]).outcome == "known"
+    clean = Implementation("deviant", Deviant("reference", registry=[LOSS]))
+    passing = run_case(case(), clean, load("reference"), RunOptions(impl="deviant", device="cpu", require="torch"))
+    assert (passing.outcome, passing.decided_by) == ("fail", "require")
+
+
 # ---- models: known, fail naming the entry, fixed? ---------------------------------------------------------------------
 def test_a_deviation_that_matches_its_model_is_known():
     r = run(case(), loss=PHYSICAL, registry=[LOSS])
@@ -207,6 +221,9 @@ def test_holds_at_verified_introduced_fixed_and_ancestry():
     assert known.holds_at(e, "1111111aaaa0000") and known.holds_at(e, "snapshot megatron-lm-dev-2222222bbbb")
     assert not known.holds_at(e, "3333333cccc") and not known.holds_at(e, "4444444dddd")
     assert not known.holds_at(e, "") and not known.holds_at(e, "checkout /x (not a git work tree)")
+    # nor where a path that is no git checkout holds the id by chance (found by review: every entry held there)
+    assert not known.holds_at(e, "checkout /w/megatron-1111111aaaa0000-patched (not a git work tree)")
+    assert known.revision_id("snapshot megatron-lm-dev-2222222bbbb") == "2222222bbbb"
     order = ["2222222bbbb", "4444444dddd", "3333333cccc", "5555555eeee"]  # a linear history
 
     def is_ancestor(a, b):
@@ -279,11 +296,21 @@ def test_a_malformed_registry_names_the_field():
                        ({"revisions": ["*"]}, r"entries\[0\]\.revisions"),
                        ({"revisions": {"verified": []}}, r"entries\[0\]\.revisions"),
                        ({"revisions": {"verified": ["head"]}}, r"verified\[0\]"),
-                       ({"revisions": {"verified": ["abcdef1"], "fixed": "abcdef1"}}, r"verified\[0\]")):
+                       ({"revisions": {"verified": ["abcdef1"], "fixed": "abcdef1"}}, r"verified\[0\]"),
+                       # misspelt or empty: would match nothing, or every case (found by review)
+                       ({"matchh": {"layout": "thd"}}, r"entries\[0\]\.matchh"),
+                       ({"match": {}}, r"entries\[0\]\.match"),
+                       ({"architectures": ["sm_90"]}, r"entries\[0\]\.architectures"),
+                       ({"providers": []}, r"entries\[0\]\.providers")):
         with pytest.raises(CaseError, match=where):
             known.validate([entry(**bad)], "reg")
     with pytest.raises(CaseError, match="duplicate id"):
         known.validate([entry(), entry()], "reg")
+    # a malformed registry hides no verdict: the case keeps its own (here the contract's fail), saying why no entry
+    # applied, instead of every case turning into an error; control: the well-formed registry makes it known
+    broken = run(case(), loss=PHYSICAL, registry=[{k: v for k, v in LOSS.items() if k != "architectures"}])
+    assert broken.outcome == "fail" and "known-deviation registry not applied" in broken.message
+    assert run(case(), loss=PHYSICAL, registry=[LOSS]).outcome == "known"
     assert known.validate([entry(), entry(id="e2", expect={"raises": {"type": "E", "file": "f", "function": "g",
                                                                         "lines": {"abcdef1": [1, 2]}}})], "reg")
 
@@ -354,3 +381,37 @@ def test_running_out_of_memory_while_judging_a_known_deviation_is_an_error_to_re
     monkeypatch.setattr(known_mod, "apply", broken)
     result = engine.run_case(case, fused, ref, engine.RunOptions())
     assert result.outcome == "pass" and "known-deviation registry: ValueError" in result.message
+
+
+def test_the_cp_slack_row_model_frees_the_slack_rows_values_but_not_their_finiteness():
+    """The model of ``cp-thd-rows-past-last-boundary-attend-key-0`` lets a slack row's ``out`` / ``lse`` differ from
+    the contract's (0 / -inf): the row attends one key and the sink, so its values are finite. NaN there is not
+    excused (found by review: every check on slack rows was dropped). Control: a finite fill is the model's."""
+    import torch
+
+    slack_entry = entry(id="cp-slack", match={"layout": "thd", "slack": True, "loss": "none"},
+                        expect={"model": "cp-slack-rows-attend-rank-key-0"})
+    c = case(scope="layer", training=False,
+             layout={**CASE["layout"], "cu_seqlens": [0, 8], "cu_seqlens_padded": [0, 8], "total_tokens": 10})
+
+    class SlackFill(Deviant):
+        def context_parallel_layout(self, case):
+            return {"size": 2, "local": 5, "d_window": 0}
+
+        def attention_layer(self, hidden, params, config, packed_seq_params=None, *, training=True,
+                            topk_indices=None):
+            res = self.base.attention_layer(hidden, params, config, packed_seq_params, training=training,
+                                            topk_indices=topk_indices)
+            slack = torch.zeros(res.out.shape[0], dtype=torch.bool)
+            slack[8:] = True
+            res.out = torch.where(slack[:, None], torch.full_like(res.out, self.options["fill"]), res.out)
+            res.lse = torch.where(slack[:, None], torch.full_like(res.lse, self.options["fill"]), res.lse)
+            return res
+
+    def outcome(fill):
+        impl = Implementation("slk", SlackFill("reference", registry=[slack_entry], fill=fill))
+        return run_case(c, impl, load("reference"), RunOptions(impl="slk", device="cpu", cp=2))
+
+    assert outcome(0.0).outcome == "known"
+    nan = outcome(float("nan"))
+    assert nan.outcome == "fail" and "non-finite values on slack rows" in nan.message

@@ -123,6 +123,26 @@ def test_a_case_that_now_errors_is_a_new_failure(tables):
                                                        "current": "error"}]
 
 
+def test_a_passing_case_now_known_and_a_known_case_now_failing_are_new_failures(tables):
+    """pass -> known: a registered deviation came back (or a new bug has its shape); known -> fail: the deviation
+    exceeds its model. Both fail the drift gate (found by review: read as no change, and as an improvement).
+    Control: known in both runs is no change."""
+    base = tables["base"].copy()
+    case_id = base.loc[base["outcome"] == "pass", "case_id"].iloc[0]
+    now_known = tables["same"].copy()
+    now_known.loc[now_known["case_id"] == case_id, "outcome"] = "known"
+    result = compare_tables(now_known, base)
+    assert not result.passed and result.new_failures.to_dict("records") == [
+        {"case_id": case_id, "tensor": "", "baseline": "pass", "current": "known"}]
+    known_base = base.copy()
+    known_base.loc[known_base["case_id"] == case_id, "outcome"] = "known"
+    failing = tables["same"].copy()
+    failing.loc[failing["case_id"] == case_id, "outcome"] = "fail"
+    result = compare_tables(failing, known_base)
+    assert not result.passed and result.new_failures[["baseline", "current"]].values.tolist() == [["known", "fail"]]
+    assert compare_tables(now_known, known_base).passed
+
+
 def test_pairs_only_in_the_run_are_counted_not_gated_but_pairs_only_in_the_baseline_fail(tables):
     """Suites grow (cases only in the run pass); cases the run lost are lost coverage (reports/coverage_gate.py)."""
     current = tables["same"]
