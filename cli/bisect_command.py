@@ -74,6 +74,27 @@ def _print_result(result: bisect.Result, repo: Path, mode: str) -> None:
          f"{statistics.median(times):.1f} s, max {max(times):.1f} s)")
 
 
+def _select(args: argparse.Namespace) -> tuple[str, list]:
+    """The cases to bisect and the suite holding them: ``--suite`` (default ``smoke``), or without it the first
+    suite that holds every ``--case-id`` (a step runs its cases by suite, as ``run`` finds an id in any suite)."""
+    from cases.suites import suite_names
+
+    if args.suite or not args.case_id:
+        args.suite = args.suite or "smoke"
+        return select_cases(args)
+    for name in suite_names():
+        args.suite = name
+        try:
+            label, cases = select_cases(args)
+        except CaseError:
+            continue
+        if cases:
+            return label, cases
+    args.suite = None
+    raise CaseError("case-id", f"no suite ({', '.join(suite_names())}) holds every case of "
+                               f"{', '.join(args.case_id)}; name the suite with --suite")
+
+
 def command(args: argparse.Namespace) -> int:
     mode = args.by
     try:
@@ -84,9 +105,8 @@ def command(args: argparse.Namespace) -> int:
         good = git_tree.resolve(repo, args.good, "good")
         bad = git_tree.resolve(repo, args.bad, "bad")
         chain = [git_tree.commit(repo, sha) for sha in git_tree.first_parent_path(repo, good, bad)]
-        args.suite = args.suite or "smoke"
         args.case, args.limit = [], None
-        label, cases = select_cases(args)
+        label, cases = _select(args)
         if not cases:
             raise CaseError("case-id", "selects no case")
         context = {"good": good, "bad": bad, "suite": label, "cases": [c.id for c in cases],

@@ -174,3 +174,25 @@ def test_an_unwritable_json_path_is_a_usage_error_before_any_step(tmp_path, caps
     assert len(ran) == 1
     claimed = json.loads(stale.read_text())
     assert claimed["status"] == "incomplete" and "stale" not in claimed and claimed["cases"] == ["8cd3769bc4c5"]
+
+
+def test_a_case_id_is_found_in_the_suite_that_holds_it(tmp_path, capsys, monkeypatch):
+    """Without ``--suite``, a gate case id bisects over the gate suite (found by review: only smoke was searched, "no
+    case has id"). Control: an id no suite holds is a usage error, before any step."""
+    import json
+    import subprocess
+
+    from cli import bisect_command
+    from cli.main import main
+
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    for message in ("one", "two"):
+        subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                        "--allow-empty", "-m", message], check=True)
+    monkeypatch.setattr(bisect_command.bisect, "run_step", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    args = ["bisect", "--megatron", str(repo), "--good", "HEAD~1", "--bad", "HEAD", "--json", str(tmp_path / "b.json")]
+    assert main([*args, "--case-id", "7971c6fed744"]) == 130  # reached its first step
+    assert json.loads((tmp_path / "b.json").read_text())["suite"] == "gate"
+    assert main([*args, "--case-id", "000000000000"]) == 2
+    assert "no suite" in capsys.readouterr().err
