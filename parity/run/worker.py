@@ -353,11 +353,9 @@ class WorkerPool:
                 # heavier than the device lends its workers: it would run only with nothing else there anyway, so
                 # it runs alone from the start — the device's idle children stopped, in a fresh child — and its
                 # answer is that of a run alone (no doomed first attempt beside their CUDA contexts, no re-run);
-                # on a device that runs nothing, where there is one (not on the asking one while it is busy)
-                target = device if free(device) else next(
-                    (d for d in sharing if sharing[d] > 1 and free(d)), device)
+                # while this device is busy, a device that runs nothing takes it over (next_job)
                 pending.pop(0)
-                retries.append(heavy(head, target))
+                retries.append(heavy(head, device))
                 return None
             if fits(device, head):
                 return pending.pop(0)
