@@ -256,7 +256,8 @@ class CaseRuns:
         """``(tensor results, top-k report, outcome, decided_by, first_failure, message)`` of the implementation
         against ``expect`` (a :class:`parity.deviations.known_models.Expectation`; the contract's is ``truth`` / ``noise``)."""
         problems = structure.check(self.case, self.tensors, self.impl, expect.noise, expect.truth,
-                                   padding_grads=expect.padding_grads, slack_forward_free=expect.slack_forward_free)
+                                   padding_grads=expect.padding_grads, slack_forward_free=expect.slack_forward_free,
+                                   slack_keys=expect.slack_keys)
         case_problems = problems.pop("*", [])
         out, report = verdict.judge_case_tensors(self.case, self.tensors, self.impl, expect.truth, expect.noise,
                                                  problems, self.policy, self.provider, self.tie_rule, self.precision,

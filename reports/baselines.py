@@ -39,7 +39,7 @@ from cases.vocabulary import outcome_counts
 from .coverage_gate import reason_counts, reason_key
 from .drift import GateConfig
 from .errors import ReportError
-from .load import RESULTS_NAME, RunData, ended_complete, load_run, peek_run, read_rows
+from .load import RESULTS_NAME, RunData, cut_cases, ended_complete, load_run, peek_run, read_rows
 from .schema import CSV_SCHEMA_VERSION
 from .table import CSV_NAME, metrics_table, read_csv, write_csv
 
@@ -147,7 +147,7 @@ def _from_run(name: str, results: Path) -> Baseline:
     csv = results.parent / CSV_NAME
     if csv.is_file() and csv.stat().st_mtime >= results.stat().st_mtime:
         run, end = peek_run(results)
-        _refuse_partial(name, ended_complete(end), end, [])
+        _refuse_partial(name, ended_complete(end), end, cut_cases(read_rows(results)[0]))
         table = read_csv(csv)
         return Baseline(name=name, path=results.parent, table=table,
                         env=provenance(run, _counts(table), ended_complete(end), end, _stream_reasons(results)))

@@ -182,6 +182,21 @@ def read_rows(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], list[str]]:
     return rows, warnings
 
 
+def cut_cases(rows: list[tuple[int, dict[str, Any]]]) -> list[str]:
+    """Case ids (stream order) whose last report has fewer or more tensor and metric rows after it than its case row
+    records (``n_rows``): cut off by a kill or a full disk. ``rows`` as :func:`read_rows` gives them."""
+    declared: dict[str, int] = {}  # case_id -> n_rows of its (last) case row
+    counted: dict[str, int] = {}  # case_id -> tensor + metric rows seen since it
+    for _, row in rows:
+        kind = row.get("type")
+        if kind in ("metric", "tensor"):
+            counted[str(row.get("case_id"))] = counted.get(str(row.get("case_id")), 0) + 1
+        elif kind == "case" and isinstance(row.get("n_rows"), int):
+            declared[str(row.get("case_id"))] = row["n_rows"]
+            counted[str(row.get("case_id"))] = 0
+    return [cid for cid, n in declared.items() if counted.get(cid, 0) != n]
+
+
 def peek_run(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The ``run`` row (first line) and the ``end`` row (last line, or None) without parsing the whole stream."""
     with path.open("rb") as handle:
@@ -216,8 +231,6 @@ def load_run(path: str | Path) -> RunData:
     tensors: dict[tuple[str, str], dict[str, Any]] = {}
     metric_cols: dict[str, list[Any]] = {name: [] for name in METRIC_FRAME_COLUMNS}
     unknown_types: dict[str, int] = {}
-    declared: dict[str, int] = {}  # case_id -> n_rows of its case row
-    counted: dict[str, int] = {}  # case_id -> tensor + metric rows seen
     superseded: dict[str, int] = {}  # case_id reported again -> index of its first metric row of the last report
     unknown_classes: set[str] = set()
 
@@ -232,8 +245,6 @@ def load_run(path: str | Path) -> RunData:
         for name in REQUIRED[kind]:
             if name not in row:
                 raise ReportError(f"{fname}:{lineno} field '{name}'", f"missing in a '{kind}' row")
-        if kind in ("metric", "tensor"):
-            counted[row["case_id"]] = counted.get(row["case_id"], 0) + 1
         if kind == "metric":  # the hot loop: ~10 rows per tensor
             value, threshold, passed = row["value"], row.get("threshold"), row.get("passed")
             if type(value) is not float:
@@ -269,9 +280,6 @@ def load_run(path: str | Path) -> RunData:
                 for key in [k for k in tensors if k[0] == case_id]:
                     del tensors[key]
                 superseded[case_id] = len(m_case)
-            if isinstance(row.get("n_rows"), int):
-                declared[case_id] = row["n_rows"]
-                counted[case_id] = 0
             features = row.get("features")
             plan = row.get("plan")
             cases[case_id] = {
@@ -294,7 +302,7 @@ def load_run(path: str | Path) -> RunData:
         raise ReportError(path.name, "no 'run' row: not a dsv4-parity results stream")
     for kind, count in sorted(unknown_types.items()):
         warnings.append(f"{count} row(s) of unknown type {kind!r} ignored")
-    cut = [cid for cid, n in declared.items() if counted.get(cid, 0) != n]
+    cut = cut_cases(rows)
     if cut:
         warnings.append(f"{len(cut)} case(s) cut off (fewer rows than their case row records: killed or a full "
                         f"disk), e.g. {cut[0]}; `dsv4-parity run --out DIR --resume` re-runs them")

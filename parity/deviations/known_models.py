@@ -16,8 +16,12 @@ An :class:`Expectation` holds
 * ``padding_grads``: gradients on padding rows are expected (a model that keeps the padding rows' ``dO``): the input
   gradients are then judged numerically on every row instead of "exactly 0 on padding rows" plus real rows only;
 * ``slack_forward_free``: the forward values of slack rows (past the last boundary, in no sequence) are not the
-  contract's ``0`` / ``-inf`` and are not predicted (rows nothing reads; forward tensors are judged on real rows);
-  what those rows inject into the gradients is modelled exactly.
+  contract's ``0`` / ``-inf`` (rows nothing reads; forward tensors are judged on real rows); what those rows inject
+  into the gradients is modelled exactly;
+* ``slack_keys``: where a model frees them, the one key row each slack row attends (``[T, D]``, the case's ``kv``
+  row, zeros on other rows; core scope), which bounds the freed ``out``: a weight in ``(0, 1]`` times that row
+  (:func:`parity.judge.structure.slack_out_outside`). None: only their finiteness is checked (layer scope: the
+  output projection mixes the row).
 
 A model gets the expectation and a :class:`ModelContext` (the case, its tensors, and ``reference(tensors,
 with_loss)``: the reference's truth and noise runs on other tensors, with the implementation's top-k, in the case's
@@ -61,6 +65,7 @@ class Expectation:
     padding_grads: bool = False
     slack_forward_free: bool = False
     models: tuple[str, ...] = ()
+    slack_keys: Optional[torch.Tensor] = None
 
     @classmethod
     def of_contract(cls, truth: Snapshot, noise: Snapshot) -> "Expectation":
@@ -73,7 +78,8 @@ class Expectation:
         if self.contract is not None:
             ct = _copy(self.contract[0])
             contract = (ct, ct if self.contract[1] is self.contract[0] else _copy(self.contract[1]))
-        return Expectation(truth, noise, contract, self.padding_grads, self.slack_forward_free, self.models)
+        return Expectation(truth, noise, contract, self.padding_grads, self.slack_forward_free, self.models,
+                           self.slack_keys)
 
     def main(self) -> list[Snapshot]:
         """The distinct main-run snapshots (one when ``noise`` is ``truth``)."""
@@ -238,6 +244,8 @@ def cp_slack_rows_attend_rank_key_0(exp: Expectation, ctx: ModelContext) -> None
     exp.slack_forward_free = True
     kinds = ctx.tensors.row_kinds or []
     slack = [i for i, kind in enumerate(kinds) if kind == "slack"]
+    if slack and ctx.case.scope == "core":
+        exp.slack_keys = _slack_keys(ctx.tensors.inputs["kv"].detach(), slack, lay)
     d_out = ctx.tensors.grad_output
     if not slack or ctx.case.scope != "core" or not bool((d_out[slack] != 0).any()):
         return
@@ -249,6 +257,17 @@ def cp_slack_rows_attend_rank_key_0(exp: Expectation, ctx: ModelContext) -> None
     if cn is not ct:
         _add(cn, extra)
     exp.padding_grads = True
+
+
+def _slack_keys(kv: torch.Tensor, slack: list[int], lay: dict) -> torch.Tensor:
+    """``[T, D]``: row ``t`` the ``kv`` row slack row ``t`` attends (:func:`slack_row_key`; zeros before the pack and
+    on every other row)."""
+    keys = torch.zeros_like(kv)
+    for row in slack:
+        g = slack_row_key(row, lay)
+        if g >= 0:
+            keys[row] = kv[g]
+    return keys
 
 
 def _slack_gradients(ctx: ModelContext, slack: list[int], lay: dict) -> Snapshot:

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Optional
 import torch
 
 from cases.case import Case
@@ -85,8 +86,19 @@ def topk_problems(idx: torch.Tensor, scores: torch.Tensor, k: int) -> list[str]:
     return problems
 
 
+def slack_out_outside(out: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Where a freed slack row's ``out`` (``[T, H, D]``) is not a weight in ``(0, 1]`` times the key row it attends
+    (``keys`` ``[T, D]``, :mod:`parity.deviations.known_models`): larger in magnitude than that row or of the other
+    sign (0 is always inside: the weight may underflow). The quotient's one rounding may carry ``|out|`` past the key
+    by a unit of ``out``'s precision, so ``|kv| · (1 + 2 eps)`` is the bound; a key of 0 admits only 0. Bool, like
+    ``out``."""
+    k = keys.to(device=out.device, dtype=out.dtype).unsqueeze(-2)
+    eps = torch.finfo(out.dtype).eps
+    return (out.abs() > k.abs() * (1 + 2 * eps)) | (torch.sign(out) * torch.sign(k) < 0) | ~torch.isfinite(out)
+
+
 def _suspects(impl: Snapshot, truth: Snapshot, mask: torch.Tensor, slack, padding_grads: bool,
-              slack_forward_free: bool) -> set:
+              slack_forward_free: bool, slack_keys: Optional[torch.Tensor] = None) -> set:
     """The tensors of ``impl`` on which some value check of :func:`check` would report a problem, screened where the
     tensors are (one boolean per tensor, read back in one transfer): only these are copied to the host, where
     :func:`check` words the problem and locates it. Each flag is the disjunction of exactly the conditions the
@@ -112,6 +124,8 @@ def _suspects(impl: Snapshot, truth: Snapshot, mask: torch.Tensor, slack, paddin
                     bad = bad | ((a != want) & row_mask(slack, a)).any()
                 elif slack is not None and slack_forward_free:  # the model's slack rows attend one key: finite
                     bad = bad | (~torch.isfinite(a) & row_mask(slack, a)).any()
+                    if role(name) == "out" and _bounds(slack_keys, a):
+                        bad = bad | (slack_out_outside(a, slack_keys) & row_mask(slack, a)).any()
             else:
                 bad = bad | torch.isnan(a).any()
                 if role(name) == "index_scores":
@@ -129,18 +143,26 @@ def _suspects(impl: Snapshot, truth: Snapshot, mask: torch.Tensor, slack, paddin
     return {name for name, hit in read_flags(flags).items() if hit}
 
 
+def _bounds(keys: Optional[torch.Tensor], out: torch.Tensor) -> bool:
+    """Whether ``keys`` (``[T, D]``) bound an ``out`` of shape ``[T, H, D]``."""
+    return (keys is not None and out.dim() == 3 and tuple(keys.shape) == (out.shape[0], out.shape[2]))
+
+
 def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, truth: Snapshot, *,
-          padding_grads: bool = False, slack_forward_free: bool = False) -> dict[str, list]:
+          padding_grads: bool = False, slack_forward_free: bool = False,
+          slack_keys: Optional[torch.Tensor] = None) -> dict[str, list]:
     """Structural problems of ``impl`` (``expect``: same-dtype reference, ``truth``: float64 reference).
     ``padding_grads``: gradients on padding rows are expected (a known deviation's model that keeps their ``dO``,
-    :mod:`parity.deviations.known_models`): the "exactly 0 on padding rows" check is left to the numeric comparison."""
+    :mod:`parity.deviations.known_models`): the "exactly 0 on padding rows" check is left to the numeric comparison.
+    ``slack_forward_free``: a model frees the slack rows' forward values (finite still); ``slack_keys`` (``[T, D]``)
+    then bounds their ``out`` (:func:`slack_out_outside`)."""
     problems: dict[str, list] = defaultdict(list)
     mask = tensors.real_rows.cpu()
     slack = torch.tensor([k == "slack" for k in tensors.row_kinds], dtype=torch.bool) if tensors.row_kinds else None
     for what in impl.mutated:
         problems["*"].append(f"the implementation modified {what} in place")
     zero_coeff = case.computes_loss and case.config.dsa_indexer_loss_coeff == 0
-    suspects = _suspects(impl, truth, mask, slack, padding_grads, slack_forward_free)
+    suspects = _suspects(impl, truth, mask, slack, padding_grads, slack_forward_free, slack_keys)
     # host copies, made in one go: the top-k selections and their scores, and the tensors the screen flagged
     host = on_host({n: impl[n] for n in impl.names if role(n) == "topk_indices" or n in suspects})
     truth_scores = on_host({n: truth[n] for n in truth.names if role(n) == "index_scores"})
@@ -188,6 +210,13 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
                 # a model frees the slack rows' values, not their finiteness: each attends one key and the sink
                 problems[name].append(f"{int((~torch.isfinite(real_rows(a, slack))).sum())} non-finite values on "
                                       "slack rows (the known-deviation model lets them attend one key: finite)")
+            elif slack is not None and slack.any() and name == "out" and _bounds(slack_keys, a):
+                outside = slack_out_outside(a, slack_keys.cpu()) & row_mask(slack, a)
+                if outside.any():
+                    problems[name].append(
+                        f"{int(outside.sum())} values on slack rows outside the known-deviation model's bound (a "
+                        "slack row attends one key and the sink: out = w · kv[key], 0 < w <= 1)"
+                        + first_where(case, name, outside, True))
         elif role(name) == "index_scores":
             t = truth[name]
             if t is not None:

@@ -415,3 +415,52 @@ def test_the_cp_slack_row_model_frees_the_slack_rows_values_but_not_their_finite
     assert outcome(0.0).outcome == "known"
     nan = outcome(float("nan"))
     assert nan.outcome == "fail" and "non-finite values on slack rows" in nan.message
+
+
+def test_the_cp_slack_row_model_bounds_a_slack_rows_out_by_the_one_key_it_attends():
+    """At core scope the model says what a freed slack row is: a weight in (0, 1] times the ``kv`` row it attends
+    (rank key 0), so ``out`` there lies between 0 and that row. A finite value outside it (1e30, the wrong sign, 1.5×
+    the key) is not excused (found by review: any finite garbage passed). Controls: 0.3 × the key, and 0."""
+    import torch
+
+    slack_entry = entry(id="cp-slack", match={"layout": "thd", "slack": True, "loss": "none"},
+                        expect={"model": "cp-slack-rows-attend-rank-key-0"})
+    c = case(training=False,
+             layout={**CASE["layout"], "cu_seqlens": [0, 8], "cu_seqlens_padded": [0, 8], "total_tokens": 10})
+    key_row = known_models.slack_row_key(8, {"size": 2, "local": 5, "d_window": 0})
+    assert key_row == 5  # rank 1 holds rows 5..9: its key buffer starts at row 5
+
+    class SlackOut(Deviant):
+        def context_parallel_layout(self, case):
+            return {"size": 2, "local": 5, "d_window": 0}
+
+        def core_attention(self, query, kv, hidden, q_latent, params, config, packed_seq_params=None, *,
+                           training=True, topk_indices=None):
+            res = self.base.core_attention(query, kv, hidden, q_latent, params, config, packed_seq_params,
+                                           training=training, topk_indices=topk_indices)
+            sink = params["attn_sink"] if "attn_sink" in params else params["core_attention.attn_sink"]
+            rows = []
+            for row in range(res.out.shape[0]):  # the model's slack row, differentiable; its value replaced by `fill`
+                if row < 8:
+                    rows.append(res.out[row])
+                    continue
+                modelled, _ = known_models._slack_attention(query[row], kv[key_row], sink, config.softmax_scale)
+                value = self.options["fill"](modelled, kv[key_row].expand_as(modelled))
+                rows.append(modelled + (value - modelled).detach())
+            res.out = torch.stack(rows)
+            lse = res.lse.clone()
+            lse[8:] = 0.0
+            res.lse = lse
+            return res
+
+    def outcome(fill):
+        impl = Implementation("slk", SlackOut("reference", registry=[slack_entry], fill=fill))
+        return run_case(c, impl, load("reference"), RunOptions(impl="slk", device="cpu", cp=2))
+
+    first = outcome(lambda modelled, key: modelled)
+    assert first.outcome == "known", first.message
+    assert outcome(lambda modelled, key: 0 * key).outcome == "known"
+    assert outcome(lambda modelled, key: key).outcome == "known"  # the weight's upper end
+    for garbage in (lambda m, key: torch.full_like(key, 1e30), lambda m, key: -m, lambda m, key: 1.5 * key):
+        res = outcome(garbage)
+        assert res.outcome == "fail" and "outside the known-deviation model's bound" in res.message, res.message

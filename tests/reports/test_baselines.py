@@ -192,3 +192,22 @@ def test_a_partial_run_cannot_be_a_baseline(tmp_path, cut):
     partial = write_rows(rows, tmp_path / "partial")
     with pytest.raises(ReportError, match="a partial run cannot be a baseline"):
         load_baseline(str(partial))
+
+
+def test_a_run_with_a_case_cut_off_cannot_be_a_baseline_through_its_rendered_results_csv(tmp_path):
+    """A run directory whose ``results.csv`` is newer than its stream is read from the CSV (faster); the check for
+    cases cut off mid-write used to look only at the stream's end row there, so a run that lost a case's metric rows
+    became a baseline through its CSV (found by review). Control: the whole run, CSV and all, loads."""
+    from reports.table import write_csv
+
+    from .test_coverage_gate import engine_order
+
+    rows = engine_order(rows_of(n_cases=6, run_id="csv"))
+    victim = next(r["case_id"] for r in rows if r["type"] == "case" and r.get("n_rows"))
+    whole = write_rows(rows, tmp_path / "whole")
+    write_csv(metrics_table(load_run(whole)), whole / "results.csv")
+    assert load_baseline(str(whole)).env["run_id"] == "csv"
+    cut = write_rows([r for r in rows if not (r["type"] == "metric" and r["case_id"] == victim)], tmp_path / "cut")
+    write_csv(metrics_table(load_run(cut)), cut / "results.csv")
+    with pytest.raises(ReportError, match=rf"has 1 case\(s\) cut off \(e.g. {victim}\)"):
+        load_baseline(str(cut))
