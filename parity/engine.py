@@ -94,11 +94,25 @@ class RunOptions:
 
 def configure_torch() -> None:
     """Deterministic algorithms (the determinism oracle and reruns rely on them; ops without a deterministic
-    kernel only warn) and cuBLAS's deterministic workspace. Called by the CLI and the worker, before CUDA starts."""
+    kernel only warn) and cuBLAS's deterministic workspace. Called by the CLI and the worker, before CUDA starts.
+
+    What ``torch.use_deterministic_algorithms(True, warn_only=True)`` sets, without the ~3 s a process its import of
+    Inductor (for Inductor's ``deterministic`` option) costs: the flag itself, ``TORCHINDUCTOR_DETERMINISTIC=1`` for
+    an Inductor imported later, and :func:`inductor_deterministic` for one already imported."""
     import os
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")
+    torch._C._set_deterministic_algorithms(True, warn_only=True)
+    inductor_deterministic()
+
+
+def inductor_deterministic() -> None:
+    """Inductor's ``deterministic`` option on, where Inductor is imported (an implementation that ``torch.compile``\ s,
+    whatever its environment said); nothing is imported. :func:`run_case` calls it before each case."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and getattr(config, "deterministic", True) is not True:
+        config.deterministic = True
 
 
 def one_line(exc: BaseException) -> str:
@@ -203,6 +217,7 @@ def run_case(case: Case, impl: Implementation, against: Implementation, options:
     against the entry's deviation model: ``known`` where the implementation matches it, ``fail`` (naming the entry
     and the distance to both) where it matches neither, ``fixed?`` where it now matches the contract; a crash is
     ``known`` only by the exception type and production's raising frame (:mod:`parity.deviations.known`)."""
+    inductor_deterministic()
     result, runs, raised = _decide_case(case, impl, against, options, policy)
     try:
         entries = known.registry_for(impl)

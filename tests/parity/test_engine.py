@@ -121,3 +121,32 @@ def test_structure_none_equals_zero_gradient_but_not_a_nonzero_one():
     bad = torch.tensor([1.0, float("nan"), 0.0])
     problems = check(case, T, _snap(**{"grad/x": bad}), _snap(**{"grad/x": nz}), _snap(**{"grad/x": nz}))
     assert "NaN" in problems["grad/x"][0]
+
+
+def test_configure_torch_sets_what_use_deterministic_algorithms_sets_without_importing_inductor():
+    """``configure_torch`` turns on torch's deterministic algorithms (warn-only) and Inductor's ``deterministic``
+    option — for an Inductor imported later (``TORCHINDUCTOR_DETERMINISTIC``) and for one already imported, even one
+    whose environment said 0 (:func:`parity.engine.inductor_deterministic`, which ``run_case`` calls per case) —
+    without importing Inductor itself (``torch.use_deterministic_algorithms`` does, ~3 s a process). Control: the
+    public call imports it."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, os, torch\n"
+        "from parity.engine import configure_torch, inductor_deterministic\n"
+        "configure_torch()\n"
+        "imported = 'torch._inductor.config' in sys.modules\n"
+        "flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())\n"
+        "import torch._inductor.config as c\n"
+        "later = c.deterministic\n"
+        "c.deterministic = False\n"
+        "inductor_deterministic()\n"
+        "print(imported, flags, later, c.deterministic)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TORCHINDUCTOR_DETERMINISTIC"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split("\n")[0] == "False (True, True) True True", out.stdout + out.stderr
+    control = subprocess.run([sys.executable, "-c", "import sys, torch\ntorch.use_deterministic_algorithms(True)\n"
+                              "print('torch._inductor.config' in sys.modules)"], capture_output=True, text=True,
+                             env=env, check=True)
+    assert control.stdout.strip() == "True"
