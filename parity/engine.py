@@ -108,8 +108,9 @@ def configure_torch() -> None:
 
 
 def inductor_deterministic() -> None:
-    """Inductor's ``deterministic`` option on, where Inductor is imported (an implementation that ``torch.compile``\ s,
-    whatever its environment said); nothing is imported. :func:`run_case` calls it before each case."""
+    """Inductor's ``deterministic`` option on, where Inductor is imported (an implementation compiled with
+    ``torch.compile``, whatever its environment said); nothing is imported. :func:`run_case` calls it before each
+    case."""
     config = sys.modules.get("torch._inductor.config")
     if config is not None and getattr(config, "deterministic", True) is not True:
         config.deterministic = True

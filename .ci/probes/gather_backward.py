@@ -1,11 +1,13 @@
-"""Does the ``gather-backward-atomic`` stand-in hook production's KV gather on a case, and does the gather's backward
-then run with deterministic algorithms off? (Issue 28: on the H200, 2026-12-04, gate case ``e0e0647850c7`` raised
+"""Does the ``gather-backward-atomic`` stand-in make production's KV-gather backward scatter atomic on a case (the
+scatter run with deterministic algorithms off)? (Issue 28: on the H200, 2026-12-04, gate case ``e0e0647850c7`` raised
 ``cub sort does not support sorting more than INT_MAX elements`` in ``GatherBackward0`` at ``csa.py:687`` with the
 stand-in installed; on a CPU, dims shrunk, the hook matches that gather and its scatter runs non-deterministic.)
 
-Runs the case once through production's unfused path (``--impl megatron --provider unfused``) with every
-``GatherBackward0`` in the output's graph listed (shapes, strides, whether the stand-in's shape test matches) and every
-scatter / index_put the backward dispatches printed with the deterministic-algorithms flag at that moment.
+Runs the case once through production's unfused path (``--impl megatron --provider unfused``) with every scatter /
+index_put dispatched outside the stand-in's mode printed with the deterministic-algorithms flag at that moment
+(``False`` on the KV-gather scatter: the stand-in acted) and whether it has the KV-gather signature, then how many
+scatters the stand-in made atomic. (2026-12-06, H200, the graph-hook version: ``install: 0 hooked``, no
+``GatherBackward0`` in the output's graph, the scatter ran deterministic and raised.)
 
     python3 .ci/probes/gather_backward.py e0e0647850c7 [--shrink] [--device cuda]
 
@@ -16,6 +18,7 @@ or ``DSV4_MEGATRON_SNAPSHOT`` as for ``dsv4-parity run``. Prints; changes nothin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -50,28 +53,26 @@ def main(argv=None) -> int:
     print(f"case {args.case_id}: {case.layout}, training={case.training}, scope={case.scope}, dtype={case.dtype}, "
           f"device {args.device}")
 
-    original = gather_backward.install
+    original = gather_backward.atomic_kv_scatter
+    modes = []
 
-    def install(output, *, cuda_only: bool = True):
-        for node in gather_backward._nodes(output.grad_fn):
-            if node.name() == "GatherBackward0":
-                src, idx = node._saved_self, node._saved_index
-                print(f"  GatherBackward0: self {tuple(src.shape)} stride {src.stride()} {src.device}, index "
-                      f"{tuple(idx.shape)} stride {idx.stride()}, dim {node._saved_dim}: stand-in shape test "
-                      f"{gather_backward._is_kv_gather(node, cuda_only=False)}")
-        hooked = original(output, cuda_only=cuda_only)
-        print(f"  install: {hooked} hooked (deterministic algorithms {torch.are_deterministic_algorithms_enabled()}, "
-              f"stand-in enabled {gather_backward.enabled()}, output on {output.device})")
-        return hooked
+    @contextlib.contextmanager
+    def atomic_kv_scatter(**kwargs):
+        with original(**kwargs) as mode:
+            modes.append(mode)
+            print(f"  stand-in mode: {'on' if mode is not None else 'off'} (deterministic algorithms "
+                  f"{torch.are_deterministic_algorithms_enabled()}, stand-in enabled {gather_backward.enabled()})")
+            yield mode
 
-    gather_backward.install = install
+    gather_backward.atomic_kv_scatter = atomic_kv_scatter
 
     class Scatters(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
             if "scatter" in name or "index_put" in name:
                 shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
-                print(f"  {name}: deterministic {torch.are_deterministic_algorithms_enabled()} {shapes}")
+                print(f"  {name}: deterministic {torch.are_deterministic_algorithms_enabled()} {shapes}, KV-gather "
+                      f"signature {gather_backward.is_kv_scatter(tuple(args), cuda_only=False)}")
             return func(*args, **(kwargs or {}))
 
     megatron = impls.load("megatron")
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 — the probe reports what production raised
         print(f"raised: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
         return 1
+    finally:
+        print(f"  made atomic: {[m.made_atomic for m in modes if m is not None]}")
     print("ran to the end")
     return 0
 

@@ -24,7 +24,7 @@ from cases.errors import CaseError
 from cases.layout import PackedSeqParams
 from cases.outputs import AttentionOutput
 
-from . import cp, gather_backward, recorders
+from . import cp, recorders
 from .providers import current, run_context
 
 CORE_PREFIX = "core_attention."
@@ -115,13 +115,6 @@ def _check_covered(built, params: Mapping[str, torch.Tensor], prefix: str = "") 
         raise RuntimeError(f"production's layer has parameters the case does not provide: {', '.join(missing)}")
 
 
-def _after_forward(out: torch.Tensor) -> None:
-    """Per-call stand-ins on production's autograd graph: the unfused KV gather's atomic backward on CUDA
-    (:mod:`adapters.megatron.gather_backward`)."""
-    if current() == "unfused":
-        gather_backward.install(out)
-
-
 def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,
                     packed_seq_params: Optional[PackedSeqParams] = None, *, training: bool = True,
                     topk_indices: Optional[torch.Tensor] = None) -> AttentionOutput:
@@ -139,7 +132,6 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
         with recorders.recording(mg) as record:
             out, _bias = functional_call(built.module, dict(params), (x, None),
                                          {"packed_seq_params": psp}, strict=False)
-    _after_forward(out)
     out = out.squeeze(1) if packed else out.transpose(0, 1)
     return _output(out, record, config, packed_seq_params, lead)
 
@@ -171,6 +163,5 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
         with recorders.recording(mg) as record:
             out = functional_call(built.module.core_attention, core_params, (q, key, key, None),
                                   {"x": x, "qr": qr, "packed_seq_params": psp}, strict=False)
-    _after_forward(out)
     out = out.reshape(lead[0], n, d) if packed else out.reshape(lead[1], lead[0], n, d).transpose(0, 1)
     return _output(out, record, config, packed_seq_params, lead)

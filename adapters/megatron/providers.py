@@ -117,7 +117,6 @@ def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(promote.mode())
-            stack.enter_context(gather_backward.restored())  # a backward stopped inside a hooked gather
             stack.enter_context(promote.float64_case(False))  # the block's mark, set by run_context's case
             stack.enter_context(standins.no_stream_capture(not torch.cuda.is_available()))  # forward and backward
             # production's modules are imported (and its tree put on sys.path) before a provider patches them: a
@@ -129,6 +128,8 @@ def use_backend(provider: str = "auto", require=()) -> Iterator[Handle]:
                 stack.enter_context(emulated.installed(mg))
             elif name == "cudnn":
                 stack.enter_context(real_kernels.installed())
+            elif name == "unfused":  # the KV gather's backward scatter, atomic on CUDA (gather-backward-atomic)
+                stack.enter_context(gather_backward.atomic_kv_scatter())
             yield handle
     finally:
         _PROVIDER.reset(token)

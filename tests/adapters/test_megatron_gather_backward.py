@@ -1,12 +1,13 @@
 """Stand-in ``gather-backward-atomic`` (:mod:`adapters.megatron.gather_backward`), on CPU with the CUDA check off:
-only production's KV-gather pattern is hooked, deterministic algorithms are off exactly while its backward node runs
-and restored after (also after a backward that raised), and the gradients are those of the unhooked graph; and stand-in ``no-weight-init``'s guard (every production parameter
-comes from the case)."""
+only production's KV-gather backward scatter runs with deterministic algorithms off, the flag is on again after it
+(also after a raise inside it), the gradients are those without the stand-in; and stand-in ``no-weight-init``'s guard
+(every production parameter comes from the case)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from adapters.megatron import gather_backward
 
@@ -35,54 +36,62 @@ def _inputs():
     return kv, idx
 
 
-def test_only_the_kv_gather_is_hooked_and_the_flag_is_off_only_inside_it(deterministic):
+class _Scatters(TorchDispatchMode):
+    """Outside the stand-in's mode: each scatter_add that reaches the kernels, with the flag at that moment;
+    ``fail`` raises there instead."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.seen, self.fail = [], fail
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.scatter_add, torch.ops.aten.scatter_add_):
+            self.seen.append((tuple(args[0].shape), torch.are_deterministic_algorithms_enabled()))
+            if self.fail:
+                raise RuntimeError("planted")
+        return func(*args, **(kwargs or {}))
+
+
+def test_only_the_kv_gathers_scatter_runs_with_the_flag_off(deterministic):
     kv, idx = _inputs()
-    out = _kv_gather(kv, idx)
     plain = torch.gather(kv, 0, torch.zeros(3, 4, dtype=torch.long))  # negative control: no expanded input
-    seen = []
-    probe = out.sum() + plain.sum()
-    probe.register_hook(lambda g: seen.append(("before", torch.are_deterministic_algorithms_enabled())))
-    assert gather_backward.install(probe, cuda_only=False) == 1
-    assert gather_backward.install(probe) == 0  # on CPU the default leaves the graph alone
-    hooks = []
-    for node in gather_backward._nodes(probe.grad_fn):
-        if node.name() == "GatherBackward0" and gather_backward._is_kv_gather(node, cuda_only=False):
-            node.register_prehook(lambda g: hooks.append(torch.are_deterministic_algorithms_enabled()))
-    torch.autograd.grad(probe, [kv])
-    assert seen == [("before", True)] and hooks == [False]
+    probe = _kv_gather(kv, idx).sum() + plain.sum()
+    with _Scatters() as scatters, gather_backward.atomic_kv_scatter(cuda_only=False) as mode:
+        torch.autograd.grad(probe, [kv])
+    assert sorted(scatters.seen) == [((3, 9, 4), False), ((9, 4), True)]
+    assert mode.made_atomic == 1
+    assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    with gather_backward.atomic_kv_scatter() as on_cpu:  # the default acts on CUDA only
+        assert on_cpu is None or not torch.cuda.is_available()
+
+
+def test_the_gradients_are_those_without_the_stand_in(deterministic):
+    kv, idx = _inputs()
+    want, = torch.autograd.grad(_kv_gather(kv, idx).pow(2).sum(), [kv])
+    with gather_backward.atomic_kv_scatter(cuda_only=False) as mode:
+        got, = torch.autograd.grad(_kv_gather(kv, idx).pow(2).sum(), [kv])
+    assert mode.made_atomic == 1 and torch.equal(got, want)
+
+
+def test_the_flag_is_on_again_after_a_raise_inside_the_scatter(deterministic):
+    kv, idx = _inputs()
+    out = _kv_gather(kv, idx).sum()
+    with pytest.raises(RuntimeError, match="planted"):
+        with _Scatters(fail=True), gather_backward.atomic_kv_scatter(cuda_only=False):
+            torch.autograd.grad(out, [kv])
     assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
 
 
-def test_the_gradients_are_those_of_the_unhooked_graph(deterministic):
-    kv, idx = _inputs()
-    want, = torch.autograd.grad(_kv_gather(kv, idx).pow(2).sum(), [kv])
-    out = _kv_gather(kv, idx).pow(2).sum()
-    assert gather_backward.install(out, cuda_only=False) == 1
-    got, = torch.autograd.grad(out, [kv])
-    assert torch.equal(got, want)
-
-
-def test_the_flag_is_restored_after_a_backward_that_raised_inside_the_node(deterministic):
-    kv, idx = _inputs()
-    out = _kv_gather(kv, idx).sum()
-    gather_backward.install(out, cuda_only=False)
-    for node in gather_backward._nodes(out.grad_fn):
-        if node.name() == "GatherBackward0":
-            node.register_prehook(lambda g: (_ for _ in ()).throw(RuntimeError("planted")))
-    with pytest.raises(RuntimeError, match="planted"), gather_backward.restored():
-        torch.autograd.grad(out, [kv])
-    assert torch.are_deterministic_algorithms_enabled()
-
-
-def test_without_deterministic_mode_or_with_the_diagnostic_nothing_is_hooked(deterministic, monkeypatch):
+def test_without_deterministic_mode_or_with_the_diagnostic_nothing_is_made_atomic(deterministic, monkeypatch):
     kv, idx = _inputs()
     monkeypatch.setenv(gather_backward.ENV, "1")
-    assert gather_backward.install(_kv_gather(kv, idx).sum(), cuda_only=False) == 0
+    with gather_backward.atomic_kv_scatter(cuda_only=False) as mode:
+        assert mode is None
     monkeypatch.delenv(gather_backward.ENV)
     torch.use_deterministic_algorithms(False)
-    assert gather_backward.install(_kv_gather(kv, idx).sum(), cuda_only=False) == 0
-
-
+    with _Scatters() as scatters, gather_backward.atomic_kv_scatter(cuda_only=False) as mode:
+        torch.autograd.grad(_kv_gather(kv, idx).sum(), [kv])
+    assert mode.made_atomic == 0 and scatters.seen == [((3, 9, 4), False)]
 def test_a_production_parameter_the_case_lacks_is_an_error_not_uninitialised_memory():
     """The layer is built with ``perform_initialization=False`` (stand-in ``no-weight-init``): every parameter must
     come from the case. Negative control: the full set passes, at layer and at core scope."""
