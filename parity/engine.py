@@ -167,12 +167,15 @@ class _PhaseClock:
     the case's tensors and the phase's own work held together, ``torch.cuda.max_memory_allocated`` after a reset at
     the phase's start; the largest over a phase's blocks): what the case needs of a GPU, phase by phase, to schedule
     cases by memory and to see a change of production's footprint. A phase that ran out of memory records what was
-    allocated up to the failing request (the request itself is in the error message)."""
+    allocated up to the failing request (the request itself is in the error message). ``reserved[phase]`` likewise
+    records ``torch.cuda.max_memory_reserved``: what the process's caching allocator held from the GPU (its cache and
+    fragmentation included), which is what other processes sharing the GPU cannot use."""
 
     def __init__(self, seconds: dict, device: str, peaks: Optional[dict] = None,
-                 observer: Optional[Callable[[str], ContextManager]] = None):
+                 observer: Optional[Callable[[str], ContextManager]] = None, reserved: Optional[dict] = None):
         self.seconds, self.cuda = seconds, device == "cuda"
         self.peaks = peaks if peaks is not None else {}
+        self.reserved = reserved if reserved is not None else {}
         self.observer = observer
 
     @contextlib.contextmanager
@@ -198,10 +201,11 @@ class _PhaseClock:
     def _read_peak(self, phase: str) -> None:
         if self.cuda:
             try:
-                peak = int(torch.cuda.max_memory_allocated())
+                peak, held = int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())
             except Exception:  # noqa: BLE001
                 return
             self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
+            self.reserved[phase] = max(self.reserved.get(phase, 0), held)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -307,7 +311,8 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
     device = options.torch_device()
     if case.device == "cuda" and device != "cuda" and options.device == "auto":  # an explicit --device overrides
         return finish("unsupported", "device", "the case needs a CUDA device (kernel-profile shapes)")
-    clock = _PhaseClock(result.phases_s, device, result.peak_gpu_bytes, _PHASE_OBSERVER.get())
+    clock = _PhaseClock(result.phases_s, device, result.peak_gpu_bytes, _PHASE_OBSERVER.get(),
+                        result.peak_gpu_reserved_bytes)
     stage, impl_run = "materialize", None
     try:
         with clock("materialize"):

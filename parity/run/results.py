@@ -51,6 +51,7 @@ class CaseResult:
     duration_s: float = 0.0
     phases_s: dict = field(default_factory=dict)  # seconds: materialize / impl / reference / compare
     peak_gpu_bytes: dict = field(default_factory=dict)  # CUDA: per phase, the most GPU memory allocated while it ran
+    peak_gpu_reserved_bytes: dict = field(default_factory=dict)  # CUDA: per phase, the most the allocator held (cache)
     repro: str = ""
     features: dict = field(default_factory=dict)
     plan: dict = field(default_factory=dict)
@@ -79,6 +80,8 @@ class CaseResult:
         out = {"sign_split": self.sign_split} if self.sign_split else {}
         if self.peak_gpu_bytes:
             out["peak_gpu_bytes"] = dict(self.peak_gpu_bytes)
+        if self.peak_gpu_reserved_bytes:
+            out["peak_gpu_reserved_bytes"] = dict(self.peak_gpu_reserved_bytes)
         if self.not_provided:
             out["not_provided"] = self.not_provided
         if self.precision:
@@ -120,6 +123,7 @@ class CaseResult:
         return cls(case=Case.from_dict(head["case"]), outcome=head["outcome"], decided_by=head["decided_by"],
                    first_failure=head["first_failure"], message=head["message"], duration_s=head["duration_s"],
                    phases_s=head.get("phases_s") or {}, peak_gpu_bytes=head.get("peak_gpu_bytes") or {},
+                   peak_gpu_reserved_bytes=head.get("peak_gpu_reserved_bytes") or {},
                    repro=head["repro"], features=head["features"],
                    plan=head["plan"], topk=head["topk"],
                    tensors=list(tensors.values()), sign_split=head.get("sign_split"),

@@ -1,5 +1,5 @@
 """Each case row records, on CUDA, the most GPU memory allocated while each phase ran (``peak_gpu_bytes``): what a
-case needs of a GPU, phase by phase. The CUDA statistics are stood in for here (no GPU in CI): the clock resets the
+case needs of a GPU, phase by phase; and the most its allocator held (``peak_gpu_reserved_bytes``). The CUDA statistics are stood in for here (no GPU in CI): the clock resets the
 peak at each phase's start and keeps the largest reading per phase; on a CPU nothing is recorded (the control)."""
 
 from __future__ import annotations
@@ -31,14 +31,18 @@ class FakeCudaStats:
     def max_memory_allocated(self, device=None) -> int:
         return self.peak
 
+    def max_memory_reserved(self, device=None) -> int:  # the allocator's cache: here a fixed 10 bytes over the peak
+        return self.peak + 10
+
 
 def test_the_clock_keeps_each_phases_peak(monkeypatch):
     stats = FakeCudaStats()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", stats.reset_peak_memory_stats)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", stats.max_memory_allocated)
-    seconds, peaks = {}, {}
-    clock = _PhaseClock(seconds, "cuda", peaks)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", stats.max_memory_reserved)
+    seconds, peaks, reserved = {}, {}, {}
+    clock = _PhaseClock(seconds, "cuda", peaks, reserved=reserved)
     with clock("materialize"):
         stats.allocate(100)                  # the case's tensors stay
     with clock("impl"):
@@ -51,6 +55,7 @@ def test_the_clock_keeps_each_phases_peak(monkeypatch):
         stats.allocate(300)
         stats.free(300)
     assert peaks == {"materialize": 100, "impl": 1000, "reference": 150}
+    assert reserved == {"materialize": 110, "impl": 1010, "reference": 160}
     assert stats.resets == 4 and set(seconds) == set(peaks)
     # control: on a CPU the clock reads no CUDA statistics and records none
     cpu_peaks = {}
@@ -63,9 +68,11 @@ def test_a_cpu_case_row_has_no_peak_field_and_a_gpu_one_would():
     case = pick(dtype="float32", layout="bshd", ratio="0")
     result = run_case(case, impls.load("fused"), impls.load("reference"), RunOptions(device="cpu"))
     assert result.outcome == "pass" and "peak_gpu_bytes" not in result.rows()[0]
-    result.peak_gpu_bytes = {"impl": 123}
+    assert "peak_gpu_reserved_bytes" not in result.rows()[0]
+    result.peak_gpu_bytes, result.peak_gpu_reserved_bytes = {"impl": 123}, {"impl": 456}
     row = result.rows()[0]
-    assert row["peak_gpu_bytes"] == {"impl": 123}
+    assert row["peak_gpu_bytes"] == {"impl": 123} and row["peak_gpu_reserved_bytes"] == {"impl": 456}
     from parity.run.results import CaseResult
 
-    assert CaseResult.from_rows(result.rows()).peak_gpu_bytes == {"impl": 123}  # read back as written
+    back = CaseResult.from_rows(result.rows())  # read back as written
+    assert back.peak_gpu_bytes == {"impl": 123} and back.peak_gpu_reserved_bytes == {"impl": 456}
