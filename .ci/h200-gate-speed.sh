@@ -54,6 +54,9 @@ PY
       python3 -m cli bench --sections gate --gate-impl fused --gate-runs warm --gate-cache-dir "$cache" \
         --gate-dir /tmp/gate-mps --json "$out/bench-mps.json" --no-plot > "$out/bench-mps.log" 2>&1
       note "mps warm gate bench: exit $? in $(( $(date +%s) - t0 )) s"
+      # its results too (2026-12-06: one case errored under MPS and the run was not kept)
+      [ -f /tmp/gate-mps/warm/results.jsonl ] && gzip -c /tmp/gate-mps/warm/results.jsonl > "$out/mps-warm.jsonl.gz"
+      grep -h '^ERROR' -A2 "$out/bench-mps.log" 2>/dev/null | head -20 >> "$out/summary.txt"
       echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
       tail -3 /tmp/mps-log/control.log 2>/dev/null >> "$out/summary.txt"
       python3 - "$out/bench-mps.json" <<'PY' | tee -a "$out/summary.txt"

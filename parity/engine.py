@@ -169,7 +169,8 @@ class _PhaseClock:
     cases by memory and to see a change of production's footprint. A phase that ran out of memory records what was
     allocated up to the failing request (the request itself is in the error message). ``reserved[phase]`` likewise
     records ``torch.cuda.max_memory_reserved``: what the process's caching allocator held from the GPU (its cache and
-    fragmentation included), which is what other processes sharing the GPU cannot use."""
+    fragmentation included, blocks cached by the case's earlier phases too: not the phase's own need), which is what
+    other processes sharing the GPU cannot use."""
 
     def __init__(self, seconds: dict, device: str, peaks: Optional[dict] = None,
                  observer: Optional[Callable[[str], ContextManager]] = None, reserved: Optional[dict] = None):

@@ -15,9 +15,12 @@ The values are the same either way: each element of the ``[rows, n_kv, hn]`` buf
 term (a row's valid ids are distinct; its invalid slots, clamped to id 0, carry exact zeros: their scores are masked
 to ``-inf`` and their weights are 0), so no sum depends on order; only the sign of an exact zero can differ.
 
-:func:`atomic_kv_scatter` is a dispatch mode over the unfused provider's block (forward and backward): each
-``scatter_add`` of that signature (:func:`is_kv_scatter`) runs with deterministic algorithms off, the flag put back
-after it, also when it raised. It acts on the op, not on the autograd graph: an earlier version hooked the
+:func:`atomic_kv_scatter` is a dispatch mode over the unfused provider's block (forward and backward). It notes the
+index of each forward ``gather`` of that shape (:func:`is_kv_gather`: the source expanded over the rows, which is
+what makes each buffer element receive one term), and each backward ``scatter_add`` with that same index
+(:func:`is_kv_scatter`) runs with deterministic algorithms off, the flag put back after it, also when it raised. A
+scatter of the same shape whose forward gather read an unexpanded source (ids may repeat in a row: its sums depend on
+order) keeps the deterministic path. It acts on the op, not on the autograd graph: an earlier version hooked the
 ``GatherBackward0`` nodes of the layer output's graph and, on the H200 (2026-12-06, ``.ci/probes/gather_backward.py
 e0e0647850c7``), found none there while the backward still ran that scatter and raised.
 ``DSV4_MEGATRON_DETERMINISTIC_GATHER=1`` keeps PyTorch's deterministic path (diagnostic).
@@ -36,16 +39,34 @@ ENV = "DSV4_MEGATRON_DETERMINISTIC_GATHER"
 NOTE = ("gather-backward-atomic (CUDA, deterministic mode: the unfused KV gather's backward scatters with atomics "
         "instead of a sort of rows x width x hn indices; same values, each buffer element gets one non-zero term)")
 _SCATTER_ADD = (torch.ops.aten.scatter_add, torch.ops.aten.scatter_add_)
+_GATHER = torch.ops.aten.gather
 
 
 def enabled() -> bool:
     return os.environ.get(ENV, "") in ("", "0")
 
 
+def is_kv_gather(args: tuple, cuda_only: bool = True) -> bool:
+    """``gather(source [rows, n_kv, hn], 1, index [rows, width, hn])`` with ``source`` expanded over the rows (stride
+    0) and ``index`` over its last dim: production's KV gather, forward."""
+    if len(args) < 3:
+        return False
+    source, dim, index = args[:3]
+    if not (isinstance(source, torch.Tensor) and isinstance(index, torch.Tensor)) or dim not in (1, -2):
+        return False
+    return (source.dim() == 3 and index.dim() == 3 and (source.is_cuda or not cuda_only) and source.stride(0) == 0
+            and index.stride(-1) == 0 and index.shape[0] == source.shape[0])
+
+
+def _key(index: torch.Tensor) -> tuple:
+    """An index tensor as autograd hands it from the forward to the backward (same storage, shape and strides)."""
+    return index.data_ptr(), tuple(index.shape), tuple(index.stride())
+
+
 def is_kv_scatter(args: tuple, cuda_only: bool = True) -> bool:
     """``scatter_add(self [rows, n_kv, hn], 1, index [rows, width, hn], src [rows, width, hn])`` with ``index``
-    expanded along its last dim (stride 0): the backward of production's KV gather (``torch.gather`` of the keys
-    expanded over the rows by ids expanded over ``hn``)."""
+    expanded along its last dim (stride 0): the shape of the backward of production's KV gather (the mode also asks
+    that its forward gather was :func:`is_kv_gather`)."""
     if len(args) < 4:
         return False
     target, dim, index, src = args[:4]
@@ -57,17 +78,27 @@ def is_kv_scatter(args: tuple, cuda_only: bool = True) -> bool:
 
 
 class _AtomicKvScatter(TorchDispatchMode):
-    """Runs :func:`is_kv_scatter` scatters with deterministic algorithms off; counts them in ``made_atomic``."""
+    """Runs the backward scatter of each :func:`is_kv_gather` with deterministic algorithms off; counts them in
+    ``made_atomic``."""
 
     def __init__(self, cuda_only: bool = True):
         super().__init__()
         self.cuda_only = cuda_only
         self.made_atomic = 0
+        self.gathers: set = set()  # _key of the index of each KV gather of the block's forward
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Not a reason for TorchDynamo to leave production's compiled functions eager (it skips frames while a
+        user dispatch mode is active)."""
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func.overloadpacket in _SCATTER_ADD and torch.are_deterministic_algorithms_enabled()
-                and is_kv_scatter(args, self.cuda_only)):
+        if func.overloadpacket is _GATHER and is_kv_gather(args, self.cuda_only):
+            self.gathers.add(_key(args[2]))
+        elif (func.overloadpacket in _SCATTER_ADD and torch.are_deterministic_algorithms_enabled()
+                and is_kv_scatter(args, self.cuda_only) and _key(args[2]) in self.gathers):
             warn = torch.is_deterministic_algorithms_warn_only_enabled()
             torch._C._set_deterministic_algorithms(False)
             try:

@@ -126,6 +126,8 @@ def _suspects(impl: Snapshot, truth: Snapshot, mask: torch.Tensor, slack, paddin
                     bad = bad | (~torch.isfinite(a) & row_mask(slack, a)).any()
                     if role(name) == "out" and _bounds(slack_keys, a):
                         bad = bad | (slack_out_outside(a, slack_keys) & row_mask(slack, a)).any()
+                    elif role(name) == "out" and slack_keys is not None:
+                        bad = bad | torch.ones_like(bad)  # a bound that does not fit: said on the host
             else:
                 bad = bad | torch.isnan(a).any()
                 if role(name) == "index_scores":
@@ -210,6 +212,10 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
                 # a model frees the slack rows' values, not their finiteness: each attends one key and the sink
                 problems[name].append(f"{int((~torch.isfinite(real_rows(a, slack))).sum())} non-finite values on "
                                       "slack rows (the known-deviation model lets them attend one key: finite)")
+            elif slack is not None and slack.any() and name == "out" and slack_keys is not None \
+                    and not _bounds(slack_keys, a):
+                problems[name].append(f"the known-deviation model's slack-row bound (key rows "
+                                      f"{tuple(slack_keys.shape)}) does not fit out {tuple(a.shape)}: not checked")
             elif slack is not None and slack.any() and name == "out" and _bounds(slack_keys, a):
                 outside = slack_out_outside(a, slack_keys.cpu()) & row_mask(slack, a)
                 if outside.any():

@@ -417,7 +417,7 @@ def test_the_cp_slack_row_model_frees_the_slack_rows_values_but_not_their_finite
     assert nan.outcome == "fail" and "non-finite values on slack rows" in nan.message
 
 
-def test_the_cp_slack_row_model_bounds_a_slack_rows_out_by_the_one_key_it_attends():
+def test_the_cp_slack_row_model_bounds_a_slack_rows_out_by_the_one_key_it_attends(monkeypatch):
     """At core scope the model says what a freed slack row is: a weight in (0, 1] times the ``kv`` row it attends
     (rank key 0), so ``out`` there lies between 0 and that row. A finite value outside it (1e30, the wrong sign, 1.5×
     the key) is not excused (found by review: any finite garbage passed). Controls: 0.3 × the key, and 0."""
@@ -464,3 +464,8 @@ def test_the_cp_slack_row_model_bounds_a_slack_rows_out_by_the_one_key_it_attend
     for garbage in (lambda m, key: torch.full_like(key, 1e30), lambda m, key: -m, lambda m, key: 1.5 * key):
         res = outcome(garbage)
         assert res.outcome == "fail" and "outside the known-deviation model's bound" in res.message, res.message
+    # a bound that does not fit ``out`` is said, never skipped in silence (found by review)
+    narrow = known_models._slack_keys
+    monkeypatch.setattr(known_models, "_slack_keys", lambda kv, slack, lay: narrow(kv, slack, lay)[:, :-1])
+    res = outcome(lambda modelled, key: modelled)
+    assert res.outcome == "fail" and "slack-row bound" in res.message and "does not fit" in res.message, res.message
