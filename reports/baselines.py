@@ -203,6 +203,9 @@ def _under_root(name: str, current: RunData | None, root: Path) -> Baseline:
 
 def _baseline_dir(name: str, path: Path) -> Baseline:
     table, env = read_csv(path / METRICS_NAME), _read_json(path / ENV_NAME)
+    if env.get("complete") is False or env.get("not_run"):
+        raise ReportError(str(path / ENV_NAME), "records a partial run (complete: false): a baseline must hold a "
+                                                "whole run; retake it with `dsv4-parity compare RUN --update`")
     recorded = env.get("counts")
     if isinstance(recorded, dict) and all(isinstance(v, int) for v in recorded.values()):
         held = table["case_id"].nunique()
@@ -285,6 +288,11 @@ def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path =
     if data.end is None:
         raise ReportError("--update", f"run {data.run_id} has no 'end' row (it died or was killed); refusing to "
                                       "baseline a partial run")
+    if not data.complete or data.cut:  # found by review: a budget-stopped or cut run became a baseline
+        why = (f"left {len(data.end.get('not_run') or [])} case(s) unstarted (--budget-s)" if not data.complete
+               else f"has {len(data.cut)} case(s) cut off (e.g. {data.cut[0]})")
+        raise ReportError("--update", f"run {data.run_id} {why}: refusing to baseline a partial run (it would gate "
+                                      "only the work it did); finish it with `dsv4-parity run --out DIR --resume`")
     target.mkdir(parents=True, exist_ok=True)
     write_csv(table, target / METRICS_NAME)
     env = provenance(data.run, data.counts, data.complete, data.end, reason_counts(data.cases))

@@ -207,24 +207,30 @@ def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateCo
     pairs["floor"] = _floor(config, pairs["dtype"])
     pairs = pairs.loc[np.isfinite(pairs["floor"])]  # integer tensors: no meaningful error ratio
     pairs["ratio"] = np.maximum(pairs["current"], pairs["floor"]) / np.maximum(pairs["baseline"], pairs["floor"])
+    # a gate-metric value no comparison can give (infinite, or a negative error ratio) is a broken comparison: its
+    # ratio is +inf, a regression of its class (found by review: +inf values made the class statistic NaN, read as
+    # steady, and a negative one clamped to the floor)
+    broken = ~np.isfinite(pairs["current"]) | (pairs["current"] < 0)
+    pairs.loc[broken, "ratio"] = math.inf
     pairs = pairs.reset_index(drop=True)
 
     q = quantile(config.statistic)
     rows = []
-    for klass in sorted(set(both["tensor_class"].dropna()) | set(pairs["tensor_class"]), key=_class_order):
-        ratios = pairs.loc[pairs["tensor_class"] == klass, "ratio"].to_numpy()
-        factor = config.factor_for(klass)
-        if len(ratios) == 0:
-            rows.append({"tensor_class": klass, "pairs": 0, "median": math.nan, "p90": math.nan, "max": math.nan,
-                         "min": math.nan, "statistic": math.nan, "factor": factor, "status": "no pairs",
-                         "worse": 0, "better": 0})
-            continue
-        stat = float(np.quantile(ratios, q))
-        status = "regression" if stat > factor else "improvement" if stat < 1.0 / factor else "steady"
-        rows.append({"tensor_class": klass, "pairs": int(len(ratios)), "median": float(np.median(ratios)),
-                     "p90": float(np.quantile(ratios, 0.9)), "max": float(ratios.max()), "min": float(ratios.min()),
-                     "statistic": stat, "factor": factor, "status": status,
-                     "worse": int((ratios > factor).sum()), "better": int((ratios < 1.0 / factor).sum())})
+    with np.errstate(invalid="ignore"):  # quantiles across +inf ratios: NaN in the shown median / p90, quietly
+        for klass in sorted(set(both["tensor_class"].dropna()) | set(pairs["tensor_class"]), key=_class_order):
+            ratios = pairs.loc[pairs["tensor_class"] == klass, "ratio"].to_numpy()
+            factor = config.factor_for(klass)
+            if len(ratios) == 0:
+                rows.append({"tensor_class": klass, "pairs": 0, "median": math.nan, "p90": math.nan, "max": math.nan,
+                             "min": math.nan, "statistic": math.nan, "factor": factor, "status": "no pairs",
+                             "worse": 0, "better": 0})
+                continue
+            stat = math.inf if not np.isfinite(ratios).all() else float(np.quantile(ratios, q))
+            status = "regression" if stat > factor else "improvement" if stat < 1.0 / factor else "steady"
+            rows.append({"tensor_class": klass, "pairs": int(len(ratios)), "median": float(np.median(ratios)),
+                         "p90": float(np.quantile(ratios, 0.9)), "max": float(ratios.max()), "min": float(ratios.min()),
+                         "statistic": stat, "factor": factor, "status": status,
+                         "worse": int((ratios > factor).sum()), "better": int((ratios < 1.0 / factor).sum())})
     classes = pd.DataFrame(rows, columns=["tensor_class", "pairs", "median", "p90", "max", "min", "statistic",
                                           "factor", "status", "worse", "better"])
     return DriftResult(config=config, classes=classes, pairs=pairs,
@@ -252,4 +258,8 @@ def _new_failures(current: pd.DataFrame, baseline: pd.DataFrame, both: pd.DataFr
                        | ((joined["baseline"] == "known") & joined["current"].isin(["fail", "error"]))]
     worse = worse.loc[~worse.index.isin(tensor_rows["case_id"])]  # already listed by tensor
     found.append(worse.reset_index(names="case_id").assign(tensor=""))
+    # a case the baseline does not hold that fails or errors is a new failure too (found by review: `compare` passed
+    # a run whose only failure was a case new to it)
+    new = cur_outcome.loc[~cur_outcome.index.isin(base_outcome.index) & cur_outcome.isin(["fail", "error"])]
+    found.append(pd.DataFrame({"case_id": new.index, "current": new.to_numpy()}).assign(baseline="(new case)", tensor=""))
     return pd.concat(found, ignore_index=True)[columns]

@@ -201,7 +201,7 @@ def _drift(drift: DriftResult, baseline_name: str | None) -> str:
                  for r in drift.new_failures.head(NEW_FAILURES_SHOWN).itertuples(index=False)]
         if len(drift.new_failures) > NEW_FAILURES_SHOWN:
             lines.append(f"- … and {len(drift.new_failures) - NEW_FAILURES_SHOWN} more")
-        parts.append("New failures (pass in the baseline):\n" + "\n".join(lines))
+        parts.append("New failures (worse than in the baseline, or new and failing):\n" + "\n".join(lines))
     return "\n\n".join(parts)
 
 

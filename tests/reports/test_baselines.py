@@ -99,18 +99,37 @@ def test_a_partial_run_is_never_baselined(tmp_path):
         save_baseline(data, metrics_table(data), "smoke", root=tmp_path / "b")
 
 
-def test_a_budget_stopped_run_is_baselined_as_incomplete(tmp_path):
+def test_a_budget_stopped_run_is_not_baselined(tmp_path):
+    """``compare --update`` of a run ``--budget-s`` stopped would make every later gate check only the cases it ran
+    (found by review: it was recorded, ``complete: false`` in its env.json, and gates passed against it); a baseline
+    directory recording such a run is refused too. Control: the whole run is recorded, complete."""
     rows = rows_of(n_cases=4)
     rows[-1] = {**rows[-1], "stopped": "budget", "budget_s": 10.0, "not_run": ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]}
     data = load_run(write_rows(rows, tmp_path / "run"))
     assert not data.complete
-    target = save_baseline(data, metrics_table(data), "smoke", root=tmp_path / "b")
-    env = json.loads((target / "env.json").read_text())
-    assert env["complete"] is False and env["not_run"] == 2
-    # negative control: the same run without the budget stop is complete and records no not_run
+    with pytest.raises(ReportError, match=r"left 2 case\(s\) unstarted.*refusing to baseline a partial run"):
+        save_baseline(data, metrics_table(data), "smoke", root=tmp_path / "b")
+    assert not (tmp_path / "b").exists()
     full = load_run(write_rows(rows_of(n_cases=4), tmp_path / "run2"))
-    env = json.loads((save_baseline(full, metrics_table(full), "full", root=tmp_path / "b") / "env.json").read_text())
+    target = save_baseline(full, metrics_table(full), "full", root=tmp_path / "b")
+    env = json.loads((target / "env.json").read_text())
     assert env["complete"] is True and "not_run" not in env
+    assert load_baseline(str(target)).env["complete"] is True
+    (target / "env.json").write_text(json.dumps({**env, "complete": False, "not_run": 2}))
+    with pytest.raises(ReportError, match="records a partial run"):
+        load_baseline(str(target))
+
+
+def test_a_run_with_a_case_cut_off_is_not_baselined(tmp_path):
+    from .test_coverage_gate import engine_order
+
+    rows = engine_order(rows_of(n_cases=4))
+    victim = next(r["case_id"] for r in rows if r["type"] == "case" and r.get("n_rows"))
+    data = load_run(write_rows([r for r in rows if not (r["type"] == "metric" and r["case_id"] == victim)],
+                               tmp_path / "run"))
+    assert data.cut == [victim]
+    with pytest.raises(ReportError, match=r"1 case\(s\) cut off.*refusing to baseline a partial run"):
+        save_baseline(data, metrics_table(data), "smoke", root=tmp_path / "b")
 
 
 @pytest.mark.parametrize("name", ["../evil", "a/b/c", "sp ace"])

@@ -153,10 +153,19 @@ def test_a_new_reason_on_a_case_unsupported_in_both_fails(baseline, tmp_path):
 
 
 def test_cases_and_tensors_only_the_run_has_are_not_gated(baseline, tmp_path):
-    """Suites grow: a run with more cases (and their reasons) than its baseline keeps passing."""
-    bigger = write_rows(rows_of(n_cases=N + 25, run_id="bigger"), tmp_path / "bigger")
-    result = gate(bigger, baseline)
+    """Suites grow: a run with more cases (and their reasons) than its baseline keeps passing — unless a case new to
+    it fails or errors (found by review: `compare` passed a run whose only failure was a new case)."""
+    rows = rows_of(n_cases=N + 25, run_id="bigger")
+    old = {r["case_id"] for r in rows_of(n_cases=N, run_id="base") if r["type"] == "case"}
+    passing = [{**r, "outcome": "pass"} if r["type"] == "case" and r["case_id"] not in old
+               and r["outcome"] in ("fail", "error") else r for r in rows]
+    result = gate(write_rows(passing, tmp_path / "bigger"), baseline)
     assert result.only_current > 0 and result.passed and not result.coverage.lost
+    new = next(r["case_id"] for r in passing if r["type"] == "case" and r["case_id"] not in old)
+    failing = [{**r, "outcome": "fail"} if r["type"] == "case" and r["case_id"] == new else r for r in passing]
+    result = gate(write_rows(failing, tmp_path / "new-fail"), baseline)
+    assert not result.passed and list(result.new_failures["case_id"]) == [new]
+    assert list(result.new_failures["baseline"]) == ["(new case)"]
 
 
 def test_a_baseline_without_recorded_reasons_infers_them_from_the_cases_unsupported_in_both(baseline, tmp_path):
@@ -302,3 +311,20 @@ def test_a_case_reported_again_keeps_only_its_last_reports_rows(baseline, tmp_pa
     assert result.coverage.lost and set(result.coverage.missing_tensors["case_id"]) == {victim}
     whole = write_rows(body + block + end, tmp_path / "whole")
     assert gate(whole, baseline).passed
+
+
+@pytest.mark.parametrize("value", [float("inf"), -1.0])
+@pytest.mark.parametrize("share", [1.0, 0.125])
+def test_a_gate_metric_no_comparison_can_give_is_a_regression(baseline, tmp_path, value, share):
+    """An infinite error ratio (or a negative one) on a compared tensor is a broken comparison. Found by review:
+    +inf on every tensor of a class made the class's p90 NaN, read as steady (drift gate PASS), and -1 clamped to the
+    floor; the pairs' verdicts and ``passed`` fields left as they were. Now their ratio is +inf: the class regresses,
+    also when only an eighth of its pairs are broken (below the p90). Control: the same run unedited passes."""
+    rows = rows_of(n_cases=N, run_id="edited")
+    assert gate(write_rows(rows, tmp_path / "plain"), baseline).passed
+    targets = [r for r in rows if r["type"] == "metric" and r["metric"] == "noise_floor_ratio"
+               and r.get("tensor_class") == "grad_param" and isinstance(r.get("value"), float)]
+    hit = {id(r) for r in targets[:max(1, int(len(targets) * share))]}
+    edited = [{**r, "value": value} if id(r) in hit else r for r in rows]
+    result = gate(write_rows(edited, tmp_path / "edited"), baseline)
+    assert not result.passed and "grad_param" in result.regressions
