@@ -76,8 +76,11 @@ class RunData:
         return ended_complete(self.end)
 
     def incompleteness(self) -> list[str]:
-        """One phrase per way the run is unfinished (empty for a whole run): no ``end`` row, cases ``--budget-s``
-        left unstarted, cases cut off mid-write (:attr:`cut`)."""
+        """One phrase per way the run is unfinished or its rows contradict each other (empty for a whole,
+        consistent run): no ``end`` row, cases ``--budget-s`` left unstarted, cases cut off mid-write (:attr:`cut`),
+        planned cases (the run row's ``planned``) never reported, a case recorded as ``pass`` with a failing tensor,
+        tensor verdicts other than ``pass`` / ``fail`` (the engine writes no other; found by review: the drift gate
+        passed all four of the last)."""
         found = []
         if self.end is None:
             found.append("no end row (killed or cut)")
@@ -86,6 +89,20 @@ class RunData:
         if self.cut:
             found.append(f"{len(self.cut)} case(s) cut off (fewer rows than their case row records), e.g. "
                          f"{self.cut[0]}")
+        planned = self.run.get("planned")
+        if self.end is not None and isinstance(planned, list):
+            said = set(self.cases["case_id"]) | set(self.cut) | {str(c) for c in self.end.get("not_run") or []}
+            never = [str(c) for c in planned if str(c) not in said]
+            if never:
+                found.append(f"{len(never)} planned case(s) never reported, e.g. {never[0]}")
+        failing = set(self.tensors.loc[self.tensors["verdict"] == "fail", "case_id"])
+        contradicted = sorted(failing & set(self.cases.loc[self.cases["outcome"] == "pass", "case_id"]))
+        if contradicted:
+            found.append(f"{len(contradicted)} case(s) recorded as pass with a failing tensor, e.g. {contradicted[0]}")
+        verdicts = self.tensors["verdict"].dropna()
+        odd = verdicts.loc[~verdicts.isin(["pass", "fail"])]
+        if len(odd):
+            found.append(f"{len(odd)} tensor verdict(s) neither pass nor fail (e.g. {str(odd.iloc[0])!r})")
         return found
 
     @property

@@ -328,3 +328,30 @@ def test_a_gate_metric_no_comparison_can_give_is_a_regression(baseline, tmp_path
     edited = [{**r, "value": value} if id(r) in hit else r for r in rows]
     result = gate(write_rows(edited, tmp_path / "edited"), baseline)
     assert not result.passed and "grad_param" in result.regressions
+
+
+@pytest.mark.parametrize("edit", ["planned, never reported", "pass with a failing tensor", "odd verdict"])
+def test_rows_that_contradict_each_other_fail_the_drift_gate(baseline, tmp_path, capsys, edit):
+    """Found by review, each passed the drift gate: the run row plans a case that never reports (and the end row
+    does not list it as not run); a case recorded as ``pass`` with a tensor whose verdict is ``fail``; a tensor
+    verdict the engine never writes (``skipped``). Control: the engine-ordered stream, unedited, with its plan
+    (``test_engine_ordered_stream_passes``, and here the same stream with ``planned`` naming exactly its cases)."""
+    rows = engine_order(rows_of(n_cases=N, run_id="contradicts"))
+    ids = [r["case_id"] for r in rows if r["type"] == "case"]
+    rows[0] = {**rows[0], "planned": ids}
+    code, out = compare(write_rows(rows, tmp_path / "planned"), tmp_path, capsys)
+    assert code == 0 and "incomplete" not in out
+    passing = next(r["case_id"] for r in rows if r["type"] == "case" and r["outcome"] == "pass" and r.get("n_rows"))
+    if edit == "planned, never reported":
+        rows[0] = {**rows[0], "planned": ids + ["ffffffffffff"]}
+        want = "1 planned case(s) never reported, e.g. ffffffffffff"
+    elif edit == "pass with a failing tensor":
+        victim = next(i for i, r in enumerate(rows) if r["type"] == "tensor" and r["case_id"] == passing)
+        rows[victim] = {**rows[victim], "verdict": "fail"}
+        want = f"1 case(s) recorded as pass with a failing tensor, e.g. {passing}"
+    else:
+        victim = next(i for i, r in enumerate(rows) if r["type"] == "tensor" and r["case_id"] == passing)
+        rows[victim] = {**rows[victim], "verdict": "skipped"}
+        want = "1 tensor verdict(s) neither pass nor fail (e.g. 'skipped')"
+    code, out = compare(write_rows(rows, tmp_path / "edited"), tmp_path, capsys)
+    assert code == 1 and "drift gate: FAIL" in out and want in out, out
