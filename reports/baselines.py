@@ -124,19 +124,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _stream_reasons(results: Path) -> dict[str, int]:
-    """``{unsupported reason: cases}`` of a results stream, reading its case rows only."""
+def _stream_reasons(rows: list[tuple[int, dict[str, Any]]]) -> dict[str, int]:
+    """``{unsupported reason: cases}`` of a results stream's rows (:func:`reports.load.read_rows`), the last report
+    of each case."""
     found: dict[str, str] = {}
-    with results.open(encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            if '"case"' not in line[:40]:  # the type comes first in every row the engine writes
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and row.get("type") == "case" and "case_id" in row:
-                found[str(row["case_id"])] = row.get("message") if row.get("outcome") == "unsupported" else None
+    for _, row in rows:
+        if row.get("type") == "case" and "case_id" in row:
+            found[str(row["case_id"])] = row.get("message") if row.get("outcome") == "unsupported" else None
     keys = [reason_key(m) for m in found.values() if m is not None]
     return {str(k): int(v) for k, v in pd.Series(keys, dtype=object).value_counts().items()}
 
@@ -147,17 +141,21 @@ def _from_run(name: str, results: Path) -> Baseline:
     csv = results.parent / CSV_NAME
     if csv.is_file() and csv.stat().st_mtime >= results.stat().st_mtime:
         run, end = peek_run(results)
-        _refuse_partial(name, ended_complete(end), end, cut_cases(read_rows(results)[0]))
+        rows = read_rows(results)[0]  # one read of the stream: its cut cases and its unsupported reasons
+        _refuse_partial("--baseline", f"run {name}", ended_complete(end), end, cut_cases(rows))
         table = read_csv(csv)
         return Baseline(name=name, path=results.parent, table=table,
-                        env=provenance(run, _counts(table), ended_complete(end), end, _stream_reasons(results)))
+                        env=provenance(run, _counts(table), ended_complete(end), end, _stream_reasons(rows)))
     data = load_run(results)
-    _refuse_partial(name, data.complete, data.end, data.cut)
+    _refuse_partial("--baseline", f"run {name}", data.complete, data.end, data.cut)
     return Baseline(name=name, path=results.parent, table=metrics_table(data),
                     env=provenance(data.run, data.counts, data.complete, reasons=reason_counts(data.cases)))
 
 
-def _refuse_partial(name: str, complete: bool, end: dict[str, Any] | None, cut: list[str]) -> None:
+def _refuse_partial(option: str, run: str, complete: bool, end: dict[str, Any] | None, cut: list[str]) -> None:
+    """Refuse (``option``'s error) a partial ``run`` as a baseline: no ``end`` row, cases ``--budget-s`` left
+    unstarted, or cases cut off mid-write. Taking one (``--update``) or comparing against one (``--baseline``)
+    would gate only the work it did."""
     if end is None:
         why = "has no 'end' row (it died, was killed or is still running)"
     elif not complete:
@@ -166,8 +164,9 @@ def _refuse_partial(name: str, complete: bool, end: dict[str, Any] | None, cut: 
         why = f"has {len(cut)} case(s) cut off (e.g. {cut[0]})"
     else:
         return
-    raise ReportError("--baseline", f"run {name} {why}: a partial run cannot be a baseline (it would gate only the "
-                                    f"work it did); finish it with `dsv4-parity run --out DIR --resume`")
+    what = "refusing to baseline a partial run" if option == "--update" else "a partial run cannot be a baseline"
+    raise ReportError(option, f"{run} {why}: {what} (it would gate only the work it did); finish it with "
+                              "`dsv4-parity run --out DIR --resume`")
 
 
 def load_baseline(name: str, *, current: RunData | None = None, root: Path = BASELINES_ROOT) -> Baseline:
@@ -285,14 +284,8 @@ def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path =
     if not is_name(name) or ".." in name:
         raise ReportError("--baseline", f"baseline names are NAME or ARCH/NAME ([A-Za-z0-9._-]), got {name!r}")
     target = root / (name if "/" in name else f"{arch_of(data.env)}/{name}")
-    if data.end is None:
-        raise ReportError("--update", f"run {data.run_id} has no 'end' row (it died or was killed); refusing to "
-                                      "baseline a partial run")
-    if not data.complete or data.cut:  # found by review: a budget-stopped or cut run became a baseline
-        why = (f"left {len(data.end.get('not_run') or [])} case(s) unstarted (--budget-s)" if not data.complete
-               else f"has {len(data.cut)} case(s) cut off (e.g. {data.cut[0]})")
-        raise ReportError("--update", f"run {data.run_id} {why}: refusing to baseline a partial run (it would gate "
-                                      "only the work it did); finish it with `dsv4-parity run --out DIR --resume`")
+    # found by review: a budget-stopped or cut run used to be taken (only a run without its end row was refused)
+    _refuse_partial("--update", f"run {data.run_id}", data.complete, data.end, data.cut)
     target.mkdir(parents=True, exist_ok=True)
     write_csv(table, target / METRICS_NAME)
     env = provenance(data.run, data.counts, data.complete, data.end, reason_counts(data.cases))

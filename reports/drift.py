@@ -261,5 +261,6 @@ def _new_failures(current: pd.DataFrame, baseline: pd.DataFrame, both: pd.DataFr
     # a case the baseline does not hold that fails or errors is a new failure too (found by review: `compare` passed
     # a run whose only failure was a case new to it)
     new = cur_outcome.loc[~cur_outcome.index.isin(base_outcome.index) & cur_outcome.isin(["fail", "error"])]
-    found.append(pd.DataFrame({"case_id": new.index, "current": new.to_numpy()}).assign(baseline="(new case)", tensor=""))
+    found.append(pd.DataFrame({"case_id": new.index, "current": new.to_numpy(), "baseline": "(new case)",
+                               "tensor": ""}))
     return pd.concat(found, ignore_index=True)[columns]

@@ -137,7 +137,8 @@ def render_drift(drift: DriftResult, console: Console, *, baseline_name: str | N
     console.print(f"matched pairs: {len(drift.pairs)}; only in this run: {drift.only_current}; "
                   f"only in the baseline: {drift.only_baseline}", highlight=False)
     if len(drift.new_failures):
-        console.print(f"[bold red]{len(drift.new_failures)} new failure(s)[/] (worse than in the baseline, or new and failing):")
+        console.print(f"[bold red]{len(drift.new_failures)} new failure(s)[/] (worse than in the baseline, or new "
+                      "and failing):")
         for row in drift.new_failures.head(20).itertuples(index=False):
             console.print(f"  {row.case_id} {row.tensor or '(case)'}: {row.baseline} -> {row.current}",
                           highlight=False)
