@@ -65,28 +65,38 @@ def teacher_target(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
     return head_sum / head_sum.sum(dim=-1, keepdim=True).clamp_min(FP32_TINY)
 
 
-def kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], query: torch.Tensor, compressed: torch.Tensor,
-            lse_nc: torch.Tensor, visible: torch.Tensor, softmax_scale: float,
-            at_scores: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One row block of :func:`indexer_kl_rows`: ``KL_t [B, s]`` from ``index_scores [B, s, n_comp]``, ``topk
-    [B, s, K]`` (``None``: dense), ``query [B, s, n, D]``, ``compressed [B, n_comp, D]``, ``lse_nc [B, s, n]`` and
-    the visible entry counts ``visible [s]``. The candidates' keys are gathered here, inside the block.
-    ``at_scores [B, s, n_comp]``: score-split, the student's derivative taken at these scores
-    (:func:`reference.activation.log_softmax_at`)."""
-    B, s, n_comp = index_scores.shape
-    at = None if at_scores is None else at_scores.detach()
+@torch.no_grad()
+def block_teacher(topk: Optional[torch.Tensor], query: torch.Tensor, compressed: torch.Tensor, lse_nc: torch.Tensor,
+                  visible: torch.Tensor, n_rows: int, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher of one row block: ``(T [B, s, C], valid [B, s, C])`` over the block's candidates ``C`` (``K``
+    selected ids, or every compressed entry for the dense loss), from ``topk [B, s, K]`` (``None``: dense),
+    ``query [B, s, n, D]``, ``compressed [B, n_comp, D]``, ``lse_nc [B, s, n]`` and the visible entry counts
+    ``visible [s]``. The candidates' keys are gathered here, inside the block. No gradient."""
+    B, n_comp = compressed.shape[0], compressed.shape[1]
     if topk is None:  # dense: every valid entry, keys shared by the rows of the block
-        ids = torch.arange(n_comp, device=query.device).expand(B, s, n_comp)
+        ids = torch.arange(n_comp, device=query.device).expand(B, n_rows, n_comp)
         keys = compressed.unsqueeze(1)
-        predict = index_scores
     else:
         ids = topk
         keys = gather_rows(compressed, ids.clamp(max=n_comp - 1))
-        slots = ids.clamp(min=0, max=n_comp - 1)
+    valid = (ids >= 0) & (ids < visible.unsqueeze(-1))
+    return teacher_target(query, keys, valid, lse_nc, softmax_scale), valid
+
+
+def kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], target: torch.Tensor, valid: torch.Tensor,
+            at_scores: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One row block of :func:`indexer_kl_rows`: ``KL_t [B, s]`` from ``index_scores [B, s, n_comp]``, ``topk
+    [B, s, K]`` (``None``: dense) and the block's teacher ``target`` / ``valid`` (:func:`block_teacher`).
+    ``at_scores [B, s, n_comp]``: score-split, the student's derivative taken at these scores
+    (:func:`reference.activation.log_softmax_at`)."""
+    n_comp = index_scores.shape[-1]
+    at = None if at_scores is None else at_scores.detach()
+    if topk is None:
+        predict = index_scores
+    else:
+        slots = topk.clamp(min=0, max=n_comp - 1)
         predict = torch.gather(index_scores, -1, slots)
         at = None if at is None else torch.gather(at, -1, slots)
-    valid = (ids >= 0) & (ids < visible.unsqueeze(-1))
-    target = teacher_target(query, keys, valid, lse_nc, softmax_scale)
     row_valid = valid.any(dim=-1, keepdim=True)
     predict = predict.masked_fill(~valid, float("-inf"))
     at = None if at is None else torch.where(row_valid, at.masked_fill(~valid, float("-inf")), 0.0)
@@ -96,6 +106,15 @@ def kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], query: tor
     return terms.sum(dim=-1)
 
 
+def dense_kl_rows(index_scores: torch.Tensor, query: torch.Tensor, compressed: torch.Tensor, lse_nc: torch.Tensor,
+                  visible: torch.Tensor, softmax_scale: float, at_scores: Optional[torch.Tensor] = None
+                  ) -> torch.Tensor:
+    """One row block of the dense loss: :func:`kl_rows` with its teacher made inside the block. The dense target is
+    ``[B, s, n_comp]``, rows x entries over a sequence, so it is not kept for backward but made again there."""
+    target, valid = block_teacher(None, query, compressed, lse_nc, visible, index_scores.shape[1], softmax_scale)
+    return kl_rows(index_scores, None, target, valid, at_scores)
+
+
 def indexer_kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], query: torch.Tensor, kv: torch.Tensor,
                     compressed: torch.Tensor, attn_sink: torch.Tensor, config: ModelConfig,
                     at_scores: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -103,8 +122,10 @@ def indexer_kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], qu
 
     ``index_scores [B, S, n_comp]`` (with gradient: the student); ``topk [B, S, K]`` local ids for the sparse loss,
     ``None`` for the dense loss; ``query [B, S, n, D]``, ``kv [B, S, D]``, ``compressed [B, n_comp, D]``,
-    ``attn_sink [n]``: the teacher, detached here. Row blocks run through :func:`numerics.per_block`: the graph
-    keeps no per-block target or log-probabilities, and the teacher is evaluated again in backward.
+    ``attn_sink [n]``: the teacher, detached here. Row blocks run through :func:`numerics.per_block`: the graph keeps
+    no per-block log-probabilities (rebuilt in backward). The sparse loss makes each block's teacher once, outside the
+    recomputation, and keeps its target (``[B, s, K]``, linear in the rows); the dense loss makes it again in backward
+    (:func:`dense_kl_rows`).
     ``at_scores [B, S, n_comp]``: score-split (:mod:`reference.activation`), the implementation's index scores.
     """
     B, S, n_comp = index_scores.shape
@@ -114,10 +135,16 @@ def indexer_kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], qu
     scale = config.softmax_scale
     lse_nc = window_sink_lse(query, kv, attn_sink, config.csa_window_size, scale)
     visible = visible_compressed_count(S, INDEXER_RATIO, n_comp, query.device)
-    blocks = [per_block(kl_rows, index_scores[:, rows], None if topk is None else topk[:, rows], query[:, rows],
-                        compressed, lse_nc[:, rows], visible[rows], scale,
-                        None if at_scores is None else at_scores[:, rows])
-              for rows in row_chunks(S)]
+    blocks = []
+    for rows in row_chunks(S):
+        at = None if at_scores is None else at_scores[:, rows]
+        if topk is None:
+            blocks.append(per_block(dense_kl_rows, index_scores[:, rows], query[:, rows], compressed, lse_nc[:, rows],
+                                    visible[rows], scale, at))
+            continue
+        target, valid = block_teacher(topk[:, rows], query[:, rows], compressed, lse_nc[:, rows], visible[rows],
+                                      rows.stop - rows.start, scale)
+        blocks.append(per_block(kl_rows, index_scores[:, rows], topk[:, rows], target, valid, at))
     return torch.cat(blocks, dim=1)
 
 

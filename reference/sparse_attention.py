@@ -59,34 +59,45 @@ def sum_rows_in_order(values: torch.Tensor, ids: torch.Tensor, rows: int) -> tor
     in one warp, which is slow when rows repeat hundreds of times (a window key is read by ``W`` query rows, a
     compressed key by every row that selects it). Here the duplicates are ranked within their row and the
     ``j``-th duplicates of all rows are added together, one vector add per rank.
+
+    Every size is fixed by the shapes except the schedule itself (how many rows have a ``j``-th duplicate), which is
+    read from the device once: on a GPU the function waits for it once, not once per data-dependent shape.
     """
     D = values.shape[-1]
     out = values.new_zeros((rows, D))
-    keep = ids >= 0
-    if not bool(keep.all()):
-        kept = keep.nonzero().squeeze(1)
-        values, ids = values.index_select(0, kept), ids.index_select(0, kept)
     M = ids.numel()
     if M == 0:
         return out
-    sorted_ids, perm = torch.sort(ids, stable=True)                   # duplicates keep their order
-    row_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    R = row_ids.numel()
-    run = torch.repeat_interleave(torch.arange(R, device=ids.device), counts, output_size=M)  # [M] its run
-    rank = torch.arange(M, device=ids.device) - (torch.cumsum(counts, 0) - counts)[run]  # its place in the run
-    by_count = torch.sort(counts, descending=True, stable=True).indices             # runs, longest first
-    place = torch.empty_like(by_count)
-    place[by_count] = torch.arange(R, device=ids.device)
-    # entries laid out rank by rank, each rank in by_count order: the runs that have a j-th entry are a prefix
-    layout = torch.argsort(rank * R + place[run])
+    device = ids.device
+    dropped = ids < 0
+    row_of = torch.where(dropped, rows, ids)                          # dropped entries: a bin past the last row
+    binned = torch.zeros(rows + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, row_of, torch.ones_like(row_of))                           # entries per row, and the bin's
+    sorted_rows, perm = torch.sort(row_of, stable=True)              # duplicates keep their order
+    starts = torch.cumsum(binned, 0) - binned                         # where each row's run begins
+    rank = torch.arange(M, device=device) - starts[sorted_rows]      # an entry's place in its run
+    by_count = torch.sort(binned[:rows], descending=True, stable=True)  # rows, most duplicates first
+    place = torch.empty_like(by_count.indices)
+    place[by_count.indices] = torch.arange(rows, device=device)
+    # entries laid out rank by rank, each rank in by_count order: the rows that have a j-th entry are a prefix;
+    # the dropped entries (bin ``rows``) go after every kept one
+    key = rank * rows + place[sorted_rows.clamp(max=rows - 1)]
+    key = torch.where(sorted_rows == rows, M * (rows + 1), key)
+    layout = torch.argsort(key)
     ordered = values.index_select(0, perm.index_select(0, layout))
-    per_rank = torch.bincount(rank).tolist()
+    # the one read from the device: each row's duplicate count, most first (rank j is added to the first
+    # per_rank[j] rows)
+    desc = by_count.values.cpu()
+    kept = int((desc > 0).sum())
+    if kept == 0:
+        return out
+    per_rank = torch.bincount(desc[:kept], minlength=int(desc[0]) + 1).flip(0).cumsum(0).flip(0)[1:].tolist()
     acc = ordered[:per_rank[0]].clone()
     at = per_rank[0]
     for n in per_rank[1:]:
         acc[:n].add_(ordered[at:at + n])  # in place on the view: one op (``acc[:n] += ...`` copies it back too)
         at += n
-    out[row_ids.index_select(0, by_count)] = acc
+    out[by_count.indices[:kept]] = acc
     return out
 
 

@@ -115,3 +115,30 @@ def test_malformed_device_offsets_are_still_named_after_on_host():
                           torch.tensor([0.0, 4.0], device="cuda"), 4)
     with pytest.raises(CaseError, match="cu_seqlens_q_padded"):
         thd.segments(thd.on_host(bad), 9)
+
+
+def test_ordered_gather_gradient_waits_for_the_gpu_once():
+    """``sum_rows_in_order`` reads one thing from the device (its schedule), so on a GPU shared by several workers
+    the gather's backward waits for the GPU once per block, not once per data-dependent shape. CUDA's sync debug mode
+    warns at every synchronising call. Control: ``torch.unique`` with counts (a data-dependent output size) warns."""
+    import warnings
+
+    from reference.sparse_attention import sum_rows_in_order
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(-1, 40, (600,), generator=g).cuda()
+    values = torch.randn(600, 64, generator=g, dtype=torch.float64).cuda()
+    torch.cuda.synchronize()
+
+    def syncs(fn) -> int:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in seen)
+
+    assert syncs(lambda: sum_rows_in_order(values, ids, 40)) == 1
+    assert syncs(lambda: torch.unique(ids, return_counts=True)) >= 1
