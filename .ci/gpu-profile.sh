@@ -4,6 +4,7 @@
 #   1. .ci/probes/profile_cases.py over six of the gate's largest cases (layer / core, THD / BSHD, r = 4 / 128 / 0,
 #      training / eval): per phase the engine's seconds against the GPU's own kernel time, launches, syncs, copies;
 #   2. one of them run by 1 and then by 6 processes at once (--plain): what time-slicing one GPU costs a phase.
+#   0. first the reference's CUDA tests (tests/reference/test_cuda.py, test_gather_rows.py);
 #   nvidia-smi samples the GPU's utilisation meanwhile ($OUT/smi.csv).
 # Usage: bash .ci/gpu-profile.sh   (writes $OUT/profile.txt, $OUT/shared-<k>.txt, $OUT/smi.csv, $OUT/summary.txt)
 set -uo pipefail
@@ -12,6 +13,10 @@ out="${OUT:-reports/out}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 > "$out/smi.csv" 2>&1 &
 smi=$!
+t0=$(date +%s)
+python3 -m pytest -q -p no:cacheprovider tests/reference/test_cuda.py tests/reference/test_gather_rows.py \
+  > "$out/pytest-cuda.txt" 2>&1
+echo "cuda tests: exit $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$out/pytest-cuda.txt")" | tee -a "$out/summary.txt"
 t0=$(date +%s)
 python3 .ci/probes/profile_cases.py --provider torch a5ffe7e7a0dc 3dbd24e37ed5 bdf7cb0366b1 773075c8f835 \
   3f758668c2b6 82d3df6d348e > "$out/profile.txt" 2>&1
