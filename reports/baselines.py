@@ -36,7 +36,7 @@ import pandas as pd
 
 from cases.vocabulary import outcome_counts
 
-from .coverage_gate import reason_counts, reason_key
+from .coverage_gate import kernel_counts, reason_counts, reason_key
 from .drift import GateConfig
 from .errors import ReportError
 from .load import RESULTS_NAME, RunData, cut_cases, ended_complete, load_run, peek_run, read_rows
@@ -83,10 +83,12 @@ def arch_of(env: dict[str, Any] | None) -> str:
 
 
 def provenance(run: dict[str, Any], counts: dict[str, int], complete: bool,
-               end: dict[str, Any] | None = None, reasons: dict[str, int] | None = None) -> dict[str, Any]:
+               end: dict[str, Any] | None = None, reasons: dict[str, int] | None = None,
+               kernels: dict[str, int] | None = None) -> dict[str, Any]:
     """``env.json`` of a baseline: the run row's identity and environment (and the implementation's
     ``impl_info``: revision, provider, stand-ins), the case counts, the unsupported reasons with their counts
-    (``reasons``; None: not known); for a run its time budget stopped (``--budget-s``), ``not_run`` = the number of
+    (``reasons``; None: not known), the kernels its cases ran (``kernels``: ``stage:provider`` -> cases,
+    :func:`reports.coverage_gate.kernel_counts`; None: not known); for a run its time budget stopped (``--budget-s``), ``not_run`` = the number of
     selected cases it did not start."""
     env = run.get("env") if isinstance(run.get("env"), dict) else {}
     out = {"run_id": run.get("run_id"), "suite": run.get("suite"), "impl": run.get("impl"),
@@ -95,6 +97,8 @@ def provenance(run: dict[str, Any], counts: dict[str, int], complete: bool,
            "schema_version": CSV_SCHEMA_VERSION, "env": env}
     if reasons is not None:
         out["unsupported_reasons"] = reasons
+    if kernels is not None:
+        out["kernels"] = kernels
     if isinstance(run.get("impl_info"), dict):
         out["impl_info"] = run["impl_info"]
     if end and end.get("not_run"):
@@ -149,7 +153,8 @@ def _from_run(name: str, results: Path) -> Baseline:
     data = load_run(results)
     _refuse_partial("--baseline", f"run {name}", data.complete, data.end, data.cut)
     return Baseline(name=name, path=results.parent, table=metrics_table(data),
-                    env=provenance(data.run, data.counts, data.complete, reasons=reason_counts(data.cases)))
+                    env=provenance(data.run, data.counts, data.complete, reasons=reason_counts(data.cases),
+                                   kernels=kernel_counts(data.cases)))
 
 
 def _refuse_partial(option: str, run: str, complete: bool, end: dict[str, Any] | None, cut: list[str]) -> None:
@@ -288,7 +293,8 @@ def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path =
     _refuse_partial("--update", f"run {data.run_id}", data.complete, data.end, data.cut)
     target.mkdir(parents=True, exist_ok=True)
     write_csv(table, target / METRICS_NAME)
-    env = provenance(data.run, data.counts, data.complete, data.end, reason_counts(data.cases))
+    env = provenance(data.run, data.counts, data.complete, data.end, reason_counts(data.cases),
+                     kernel_counts(data.cases))
     (target / ENV_NAME).write_text(json.dumps(env, indent=2, sort_keys=True) + "\n")
     if gate is not None:
         (target / GATE_NAME).write_text(json.dumps(gate.to_dict(), indent=2, sort_keys=True) + "\n")

@@ -13,7 +13,12 @@ the gate (:attr:`reports.drift.DriftResult.passed`) fails when any of these hold
 * an unsupported **reason** appears that the baseline did not have (:func:`reason_key`: the one-line message with
   standalone integers as ``N``, so ``indexer_topk=512`` and ``indexer_topk=1024`` are one reason);
 * the run itself is **incomplete** (:attr:`Coverage.incomplete`, from :func:`reports.load.RunData.incompleteness`): no
-  ``end`` row (killed, cut, still running), cases ``--budget-s`` left unstarted, or cases cut off mid-write.
+  ``end`` row (killed, cut, still running), cases ``--budget-s`` left unstarted, or cases cut off mid-write;
+* the run did **other work** than its baseline (:attr:`Coverage.other_work`, :func:`other_work`): another
+  implementation or oracle, another declared provider, or kernels the baseline's cases ran (``env.json``
+  ``kernels``: ``stage:provider`` -> cases) that none of the run's cases ran. The case a gate must not pass: a GPU
+  runner whose kernel packages do not import, where ``--provider auto`` falls back to the torch provider and every
+  comparison still holds against the baseline that ran cuDNN and FlashMLA.
 
 Cases and tensors only the run has are never gated (suites grow). An intentional loss of coverage is accepted only by
 retaking the baseline (``dsv4-parity compare RUN --update``).
@@ -103,6 +108,7 @@ class Coverage:
     missing_metric: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["case_id", "tensor"]))
     metric: str = ""
     incomplete: list[str] = field(default_factory=list)
+    other_work: list[str] = field(default_factory=list)
 
     @property
     def new_reasons(self) -> list[str]:
@@ -111,11 +117,12 @@ class Coverage:
     @property
     def lost(self) -> bool:
         return bool(len(self.now_unsupported) or self.absent or len(self.missing_tensors) or self.new_reasons
-                    or len(self.missing_metric) or self.incomplete)
+                    or len(self.missing_metric) or self.incomplete or self.other_work)
 
     def problems(self) -> list[str]:
         """One plain sentence per way coverage was lost (empty when none was)."""
-        found = [f"the run is incomplete: {why}" for why in self.incomplete]
+        found = [f"the run did other work than its baseline: {why}" for why in self.other_work]
+        found += [f"the run is incomplete: {why}" for why in self.incomplete]
         if len(self.now_unsupported):
             by_reason = self.now_unsupported["reason"].value_counts()
             listed = "; ".join(f"{shown(str(r))} ({n})" for r, n in by_reason.items())
@@ -169,13 +176,14 @@ class Coverage:
 
 def coverage_against(current: pd.DataFrame, baseline: pd.DataFrame, *, reasons: Mapping[str, str] | None = None,
                      baseline_reasons: Mapping[str, int] | None = None, metric: str | None = None,
-                     incomplete: list[str] | None = None) -> Coverage:
+                     incomplete: list[str] | None = None, other: list[str] | None = None) -> Coverage:
     """Coverage of ``current`` against ``baseline`` (metrics tables, :mod:`reports.table`).
 
     ``reasons``: ``{case_id: reason}`` of the run's unsupported cases (:func:`case_reasons`; None: every such case
     reads ``(reason not given)``). ``baseline_reasons``: ``{reason: cases}`` from the baseline's ``env.json``; None
     when it records none (then inferred, module docstring). ``metric``: the drift gate's metric (its values are
-    gated like the tensors; None: not checked). ``incomplete``: how the run itself is unfinished (lost coverage)."""
+    gated like the tensors; None: not checked). ``incomplete``: how the run itself is unfinished (lost coverage);
+    ``other``: how it did other work than the baseline (:func:`other_work`)."""
     cur_outcome, base_outcome = _per_case(current), _per_case(baseline)
     ran = base_outcome[base_outcome.isin(RAN)]
     now = cur_outcome.reindex(ran.index)
@@ -218,7 +226,8 @@ def coverage_against(current: pd.DataFrame, baseline: pd.DataFrame, *, reasons: 
                     now_unsupported=now_unsupported, absent=[str(c) for c in absent], missing_tensors=missing,
                     reasons=table, reasons_recorded=recorded, baseline_unsupported=len(base_unsupported),
                     errored=int((cur_outcome.reindex(missing["case_id"].unique()) == "error").sum()),
-                    missing_metric=missing_metric, metric=metric or "", incomplete=list(incomplete or []))
+                    missing_metric=missing_metric, metric=metric or "", incomplete=list(incomplete or []),
+                    other_work=list(other or []))
 
 
 def _missing_metric(current: pd.DataFrame, baseline: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -233,3 +242,53 @@ def _missing_metric(current: pd.DataFrame, baseline: pd.DataFrame, metric: str) 
     lacking = both.merge(has[["case_id", "tensor"]].drop_duplicates(), on=["case_id", "tensor"], how="left",
                          indicator=True)
     return lacking.loc[lacking["_merge"] == "left_only", ["case_id", "tensor"]].reset_index(drop=True)
+
+
+def kernel_counts(cases: pd.DataFrame) -> dict[str, int]:
+    """``{"stage:provider": cases}`` from the cases' ``plan`` dicts: which kernel provider each stage ran, counted
+    over the cases (what a baseline's ``env.json`` records as ``kernels``)."""
+    counts: dict[str, int] = {}
+    for plan in cases["plan"] if "plan" in cases.columns else []:
+        for stage, provider in (plan if isinstance(plan, dict) else {}).items():
+            key = f"{stage}:{provider}"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def declared_provider(row: Mapping[str, Any]) -> str | None:
+    """The provider a run row (or a baseline's ``env.json``) declares: its implementation's resolved one
+    (``impl_info.provider``) or the option given; None for ``auto`` or none (resolved per machine)."""
+    info = row.get("impl_info") if isinstance(row.get("impl_info"), dict) else {}
+    provider = info.get("provider") or row.get("provider")
+    return None if provider in (None, "", "auto") else str(provider)
+
+
+def other_work(run: Mapping[str, Any], kernels: Mapping[str, int], baseline_env: Mapping[str, Any]) -> list[str]:
+    """One phrase per way the run (its row ``run`` and its :func:`kernel_counts`) did other work than the baseline
+    (its ``env.json``): another ``impl`` or ``against``; another declared provider; a kernel (``stage:provider``,
+    the torch provider aside) that ran in the baseline's cases and in none of the run's. A baseline that records no
+    ``kernels`` (taken before they were recorded) is checked by its declared provider: a run that declares none and
+    whose cases ran only the torch provider did not run it."""
+    found = []
+    for key in ("impl", "against"):
+        theirs, ours = baseline_env.get(key), run.get(key)
+        if theirs and ours and theirs != ours:
+            found.append(f"{key} {ours!r}, the baseline's {theirs!r}")
+    theirs, ours = declared_provider(baseline_env), declared_provider(run)
+    if theirs and ours and theirs != ours:
+        found.append(f"provider {ours!r}, the baseline's {theirs!r}")
+    recorded = baseline_env.get("kernels")
+    if isinstance(recorded, dict):
+        gone = {k: int(n) for k, n in recorded.items()
+                if int(n) > 0 and k.partition(":")[2] != "torch" and not kernels.get(k)}
+        if gone:
+            listed = ", ".join(f"{k} ({n} case(s))" for k, n in list(gone.items())[:EXAMPLES])
+            more = f" and {len(gone) - EXAMPLES} more" if len(gone) > EXAMPLES else ""
+            found.append(f"{len(gone)} kernel(s) the baseline's cases ran ran in none of its cases: {listed}{more}")
+    elif theirs and theirs != "torch" and ours is None:
+        ran = {k.partition(":")[2] for k in kernels}
+        if ran <= {"torch"}:
+            what = f"all {sum(kernels.values())} of its kernel stages ran the torch provider" if ran else \
+                "its cases record no kernel provider"
+            found.append(f"provider auto: {what}, the baseline ran provider {theirs!r}")
+    return found

@@ -179,10 +179,11 @@ def _class_order(name: str) -> tuple[int, str]:
 def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateConfig = GateConfig(), *,
                    reasons: Mapping[str, str] | None = None,
                    baseline_reasons: Mapping[str, int] | None = None,
-                   incomplete: list[str] | None = None) -> DriftResult:
+                   incomplete: list[str] | None = None, other: list[str] | None = None) -> DriftResult:
     """Drift of ``current`` against ``baseline`` (both metrics tables, :mod:`reports.table` schema). ``reasons`` /
     ``baseline_reasons``: the unsupported reasons of the run's cases and the baseline's counts; ``incomplete``: how
-    the run is unfinished (:func:`reports.coverage_gate.coverage_against`)."""
+    the run is unfinished and ``other`` how it did other work than the baseline
+    (:func:`reports.coverage_gate.coverage_against`)."""
     config.validate()
     metric = config.metric
     cur = current.loc[current["tensor"].astype(str) != ""]
@@ -238,7 +239,7 @@ def compare_tables(current: pd.DataFrame, baseline: pd.DataFrame, config: GateCo
                        only_baseline=only_baseline,
                        coverage=coverage_against(current, baseline, reasons=reasons,
                                                  baseline_reasons=baseline_reasons, metric=metric,
-                                                 incomplete=incomplete))
+                                                 incomplete=incomplete, other=other))
 
 
 def _new_failures(current: pd.DataFrame, baseline: pd.DataFrame, both: pd.DataFrame) -> pd.DataFrame:

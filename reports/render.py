@@ -14,7 +14,7 @@ import pandas as pd
 from rich.console import Console
 
 from .baselines import BASELINES_ROOT, Baseline, default_baseline, load_baseline
-from .coverage_gate import case_reasons
+from .coverage_gate import case_reasons, kernel_counts, other_work
 from .drift import DriftResult, GateConfig, compare_tables
 from .html import HTML_NAME, render_html
 from .load import RunData, load_run
@@ -41,9 +41,10 @@ def gate_for(baseline: Baseline, **overrides: object) -> GateConfig:
 
 def drift_of(data: RunData, table: pd.DataFrame, base: Baseline, **overrides: object) -> DriftResult:
     """The drift gate of a run (its metrics ``table``) against ``base``, coverage included (the run's unsupported
-    reasons against the ones the baseline recorded)."""
+    reasons against the ones the baseline recorded; what it ran against what the baseline ran)."""
     return compare_tables(table, base.table, gate_for(base, **overrides), reasons=case_reasons(data.cases),
-                          baseline_reasons=base.reasons, incomplete=data.incompleteness())
+                          baseline_reasons=base.reasons, incomplete=data.incompleteness(),
+                          other=other_work(data.run, kernel_counts(data.cases), base.env))
 
 
 def render_run(run: str | Path, *, baseline: str | None = "auto", console: Console | None = None,

@@ -355,3 +355,70 @@ def test_rows_that_contradict_each_other_fail_the_drift_gate(baseline, tmp_path,
         want = "1 tensor verdict(s) neither pass nor fail (e.g. 'skipped')"
     code, out = compare(write_rows(rows, tmp_path / "edited"), tmp_path, capsys)
     assert code == 1 and "drift gate: FAIL" in out and want in out, out
+
+
+def with_provider(rows, provider: str, kernel: str):
+    """The run declaring ``provider`` and every case's plan running ``kernel`` for each stage."""
+    out = []
+    for row in rows:
+        if row["type"] == "run":
+            row = {**row, "provider": provider}
+        elif row["type"] == "case" and row.get("plan"):
+            row = {**row, "plan": {stage: kernel for stage in row["plan"]}}
+        out.append(row)
+    return out
+
+
+def gpu_baseline(tmp_path, record_kernels: bool):
+    """A baseline whose cases ran the cudnn kernels under ``--provider cudnn`` (``record_kernels`` False: taken
+    before baselines recorded their kernels, as the committed H200 ones were)."""
+    run = write_rows(with_provider(rows_of(n_cases=N, run_id="gpu"), "cudnn", "cudnn"), tmp_path / "gpu")
+    data = load_run(run)
+    root = tmp_path / "gpu-baselines"
+    save_baseline(data, metrics_table(data), "h200/gate", root=root)
+    if not record_kernels:
+        env = root / "h200/gate/env.json"
+        env.write_text(json.dumps({k: v for k, v in json.loads(env.read_text()).items() if k != "kernels"}))
+    return load_baseline("h200/gate", root=root)
+
+
+@pytest.mark.parametrize("record_kernels", [True, False], ids=["kernels-recorded", "declared-provider-only"])
+def test_a_run_whose_kernels_fell_back_to_torch_fails_against_a_baseline_that_ran_the_real_ones(
+        tmp_path, record_kernels):
+    """A GPU runner whose kernel packages do not import: ``--provider auto`` falls back to the torch provider, every
+    comparison holds (the torch provider is contract-exact), every case and tensor is there, and yet the real kernels
+    never ran. Control: the same rows with the cudnn kernels pass."""
+    base = gpu_baseline(tmp_path, record_kernels)
+    assert ("kernels" in base.env) is record_kernels
+    fell_back = write_rows(with_provider(rows_of(n_cases=N, run_id="fb"), "auto", "torch"), tmp_path / "fb")
+    data = load_run(fell_back)
+    result = render_run(fell_back, baseline=str(base.path), html=False, csv=False).drift
+    assert not result.passed and result.coverage.lost
+    assert result.coverage.compared == result.coverage.baseline_ran  # nothing else is missing
+    problem = result.coverage.problems()[0]
+    assert problem.startswith("the run did other work than its baseline")
+    assert ("cudnn" in problem) and (("ran in none of its cases" in problem) is record_kernels)
+    same = write_rows(with_provider(rows_of(n_cases=N, run_id="ok"), "cudnn", "cudnn"), tmp_path / "ok")
+    assert render_run(same, baseline=str(base.path), html=False, csv=False).drift.passed
+    assert data.run["provider"] == "auto"
+
+
+def test_another_implementation_or_declared_provider_is_other_work(tmp_path):
+    base = gpu_baseline(tmp_path, True)
+    rows = with_provider(rows_of(n_cases=N, run_id="other"), "cudnn", "cudnn")
+    rows[0] = {**rows[0], "impl": "megatron", "impl_info": {"provider": "emulated"}}
+    run = write_rows(rows, tmp_path / "other")
+    problems = render_run(run, baseline=str(base.path), html=False, csv=False).drift.coverage.other_work
+    assert problems == ["impl 'megatron', the baseline's 'fused'", "provider 'emulated', the baseline's 'cudnn'"]
+
+
+def test_a_torch_fallback_the_baseline_had_is_no_loss_when_the_run_runs_the_real_kernel(tmp_path):
+    """Only a non-torch kernel can be lost: a stage the baseline ran on the torch provider that now runs cudnn is
+    more work, not less."""
+    run = write_rows(with_provider(rows_of(n_cases=N, run_id="t"), "cudnn", "torch"), tmp_path / "t")
+    data = load_run(run)
+    save_baseline(data, metrics_table(data), "h200/gate", root=tmp_path / "b")
+    base = load_baseline("h200/gate", root=tmp_path / "b")
+    assert all(k.endswith(":torch") for k in base.env["kernels"])
+    better = write_rows(with_provider(rows_of(n_cases=N, run_id="c"), "cudnn", "cudnn"), tmp_path / "c")
+    assert render_run(better, baseline=str(base.path), html=False, csv=False).drift.passed
