@@ -146,32 +146,38 @@ def _from_run(name: str, results: Path) -> Baseline:
     if csv.is_file() and csv.stat().st_mtime >= results.stat().st_mtime:
         run, end = peek_run(results)
         rows = read_rows(results)[0]  # one read of the stream: its cut cases and its unsupported reasons
-        _refuse_partial("--baseline", f"run {name}", ended_complete(end), end, cut_cases(rows))
+        _refuse_partial("--baseline", f"run {name}", ended_complete(end), end, cut_cases(rows),
+                        sum(1 for _, r in rows if r.get("type") == "resume"))
         table = read_csv(csv)
         return Baseline(name=name, path=results.parent, table=table,
                         env=provenance(run, _counts(table), ended_complete(end), end, _stream_reasons(rows)))
     data = load_run(results)
-    _refuse_partial("--baseline", f"run {name}", data.complete, data.end, data.cut)
+    _refuse_partial("--baseline", f"run {name}", data.complete, data.end, data.cut, len(data.resumes))
     return Baseline(name=name, path=results.parent, table=metrics_table(data),
                     env=provenance(data.run, data.counts, data.complete, reasons=reason_counts(data.cases),
                                    kernels=kernel_counts(data.cases)))
 
 
-def _refuse_partial(option: str, run: str, complete: bool, end: dict[str, Any] | None, cut: list[str]) -> None:
+def _refuse_partial(option: str, run: str, complete: bool, end: dict[str, Any] | None, cut: list[str],
+                    resumed: int = 0) -> None:
     """Refuse (``option``'s error) a partial ``run`` as a baseline: no ``end`` row, cases ``--budget-s`` left
-    unstarted, or cases cut off mid-write. Taking one (``--update``) or comparing against one (``--baseline``)
-    would gate only the work it did."""
+    unstarted, cases cut off mid-write, or ``resumed`` resumes under another environment (its cases ran under two
+    codes or library sets). Taking one (``--update``) or comparing against one (``--baseline``) would gate only the
+    work it did."""
     if end is None:
         why = "has no 'end' row (it died, was killed or is still running)"
     elif not complete:
         why = f"left {len(end.get('not_run') or [])} case(s) unstarted (--budget-s)"
     elif cut:
         why = f"has {len(cut)} case(s) cut off (e.g. {cut[0]})"
+    elif resumed:
+        why = f"was resumed under another environment {resumed} time(s) (its resume rows): its cases mix two"
     else:
         return
     what = "refusing to baseline a partial run" if option == "--update" else "a partial run cannot be a baseline"
-    raise ReportError(option, f"{run} {why}: {what} (it would gate only the work it did); finish it with "
-                              "`dsv4-parity run --out DIR --resume`")
+    fix = "run it afresh" if resumed and end is not None and complete and not cut else \
+        "finish it with `dsv4-parity run --out DIR --resume`"
+    raise ReportError(option, f"{run} {why}: {what} (it would gate only the work it did); {fix}")
 
 
 def load_baseline(name: str, *, current: RunData | None = None, root: Path = BASELINES_ROOT) -> Baseline:
@@ -290,7 +296,7 @@ def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path =
         raise ReportError("--baseline", f"baseline names are NAME or ARCH/NAME ([A-Za-z0-9._-]), got {name!r}")
     target = root / (name if "/" in name else f"{arch_of(data.env)}/{name}")
     # found by review: a budget-stopped or cut run used to be taken (only a run without its end row was refused)
-    _refuse_partial("--update", f"run {data.run_id}", data.complete, data.end, data.cut)
+    _refuse_partial("--update", f"run {data.run_id}", data.complete, data.end, data.cut, len(data.resumes))
     target.mkdir(parents=True, exist_ok=True)
     write_csv(table, target / METRICS_NAME)
     env = provenance(data.run, data.counts, data.complete, data.end, reason_counts(data.cases),

@@ -40,6 +40,7 @@ REQUIRED = {
     "tensor": ("case_id", "tensor", "tensor_class"),
     "metric": ("case_id", "tensor", "metric", "value"),
     "end": (),
+    "resume": ("changed",),
 }
 CASE_FRAME_COLUMNS = ("case_id", "outcome", "decided_by", "first_failure", "message", "duration_s", "repro",
                       "features", "plan", "topk", "case", "case_dtype", "layout", "compress_ratio", "scope",
@@ -61,6 +62,9 @@ class RunData:
     warnings: list[str] = field(default_factory=list)
     #: ids of the cases cut off: fewer tensor + metric rows than their case row's ``n_rows`` (killed, a full disk)
     cut: list[str] = field(default_factory=list)
+    #: ``resume`` rows: a ``--resume`` under another environment than the run row's (``changed``: key ->
+    #: [recorded, then]), so the run mixes cases of two
+    resumes: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def run_id(self) -> str:
@@ -80,8 +84,15 @@ class RunData:
         consistent run): no ``end`` row, cases ``--budget-s`` left unstarted, cases cut off mid-write (:attr:`cut`),
         planned cases (the run row's ``planned``) never reported, a case recorded as ``pass`` with a failing tensor,
         tensor verdicts other than ``pass`` / ``fail`` (the engine writes no other; found by review: the drift gate
-        passed all four of the last)."""
+        passed all four of the last), a resume under another environment (:attr:`resumes`: code or libraries the
+        earlier cases did not run under)."""
         found = []
+        for row in self.resumes:
+            changed = row.get("changed") if isinstance(row.get("changed"), dict) else {}
+            what = ", ".join(f"{k} {v[0]} -> {v[1]}" if isinstance(v, list) and len(v) == 2 else str(k)
+                             for k, v in changed.items())
+            found.append(f"resumed under another environment ({what or 'unspecified'}) after {row.get('done', '?')} "
+                         f"case(s): the run mixes cases of both")
         if self.end is None:
             found.append("no end row (killed or cut)")
         elif not self.complete:
@@ -248,6 +259,7 @@ def load_run(path: str | Path) -> RunData:
     tensors: dict[tuple[str, str], dict[str, Any]] = {}
     metric_cols: dict[str, list[Any]] = {name: [] for name in METRIC_FRAME_COLUMNS}
     unknown_types: dict[str, int] = {}
+    resumes: list[dict[str, Any]] = []
     superseded: dict[str, int] = {}  # case_id reported again -> index of its first metric row of the last report
     unknown_classes: set[str] = set()
 
@@ -307,6 +319,8 @@ def load_run(path: str | Path) -> RunData:
                 "plan": plan if isinstance(plan, dict) else {}, "topk": _mapping(row.get("topk")),
                 "case": row.get("case"),
                 **_case_columns(row.get("case"))}
+        elif kind == "resume":
+            resumes.append(row)
         elif kind == "run":
             if run_row is not None:
                 warnings.append(f"{where}: a second 'run' row ignored (one run per stream)")
@@ -354,7 +368,7 @@ def load_run(path: str | Path) -> RunData:
         metric_frame = metric_frame.loc[metric_frame["case_id"].isin(cases)].reset_index(drop=True)
 
     data = RunData(path=path, run=run_row, cases=case_frame, tensors=tensor_frame, metrics=metric_frame,
-                   end=end_row, warnings=warnings, cut=[c for c in cut if c in cases])
+                   end=end_row, warnings=warnings, cut=[c for c in cut if c in cases], resumes=resumes)
     if end_row is None:
         warnings.append("no 'end' row: the run is still going or was cut; showing the cases so far")
     else:

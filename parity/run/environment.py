@@ -70,3 +70,16 @@ def environment(device: str = "cpu") -> dict:
         "device": device,
         "generator": GENERATOR,
     }
+
+
+#: the environment keys that can change a case's result: code, libraries, GPU, draws (``host``, ``driver`` and
+#: ``python``'s patch level do not)
+RESULT_KEYS = ("git_rev", "torch", "cuda", "cudnn", "cudnn_frontend", "flash_mla", "gpu", "device", "generator")
+
+
+def environment_changes(recorded: Optional[dict], now: dict) -> dict:
+    """``{key: [recorded, now]}`` for each :data:`RESULT_KEYS` entry that differs between a run row's ``env`` and
+    this process's (a resume under other code or libraries; empty when none differs or nothing is recorded)."""
+    if not isinstance(recorded, dict):
+        return {}
+    return {k: [recorded.get(k), now.get(k)] for k in RESULT_KEYS if k in recorded and recorded.get(k) != now.get(k)}

@@ -312,7 +312,8 @@ def read_for_resume(path: Path, gpu_capacity: Optional[int] = None) -> Existing:
     errored = [r["case_id"] for r in again if r.get("outcome") == "error"]
     larger = [r["case_id"] for r in again if r.get("outcome") != "error"]
     run_rows = [r for r in rows if r["type"] == "run"]
-    kept = run_rows[:1] + [r for block in finished.values() for r in block]
+    resumes = [r for r in rows if r["type"] == "resume"]  # earlier resumes under another environment (kept)
+    kept = run_rows[:1] + resumes + [r for block in finished.values() for r in block]
     tmp = path.with_suffix(".jsonl.tmp")
     try:
         tmp.write_text("".join(dumps(r) + "\n" for r in kept), encoding="utf-8")

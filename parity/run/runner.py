@@ -43,7 +43,7 @@ from cases.errors import CaseError
 from parity import names
 from parity.engine import RunOptions
 from parity.run import memory, results, shard
-from parity.run.environment import environment
+from parity.run.environment import environment, environment_changes
 from parity.run.execution import error_rows, execute, load_impl
 from parity.run.junit import write_junit
 from parity.run.progress import Progress
@@ -205,6 +205,23 @@ def _resume_note(existing: results.Existing, todo: int) -> str:
             + (f" (again: {', '.join(again)})" if again else ""))
 
 
+def _record_other_environment(writer: results.ResultsWriter, existing: results.Existing, device: str,
+                              todo: int) -> None:
+    """A resume under other code, libraries or GPU than the run row records (:func:`environment_changes`): the run
+    then mixes cases of two environments. Written as a ``resume`` row (``changed``: key -> [recorded, now]; ``done``:
+    the cases finished before it) and said on stderr; the reports count the run as incomplete (a gate must not pass
+    cases the code under test never ran)."""
+    changed = environment_changes(existing.run_row.get("env"), environment(device))
+    if not changed:
+        return
+    writer.write([{"type": "resume", "at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                   "changed": changed, "done": len(existing.outcomes), "todo": todo}])
+    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+    print(f"resuming under another environment than the run's ({what}): its {len(existing.outcomes)} finished "
+          f"case(s) ran there, the {todo} left run here; the run counts as incomplete (start it afresh to gate "
+          f"this code)", file=sys.stderr)
+
+
 def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: int, mode: str,
                 slots: list[Slot], path: Path) -> tuple[dict, int]:
     out_dir = config.out_dir
@@ -235,6 +252,8 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     writer = results.ResultsWriter(path)
     if config.link is not None:
         point_link(config.link, out_dir)  # from its start, `latest` names this run
+    if config.resume and existing.run_row is not None and existing.outcomes:
+        _record_other_environment(writer, existing, device, len(todo))
     if config.resume and (existing.outcomes or existing.cut or existing.errored or existing.larger_gpu):
         print(_resume_note(existing, len(todo)), file=sys.stderr)
     progress = Progress(len(todo), config.quiet)

@@ -361,3 +361,42 @@ def test_a_passing_run_prints_no_repro_in_its_report(whole, capsys):
     out = capsys.readouterr().out
     assert "Worst offenders" in out and TINY[0] in out  # the offenders table keeps the case ids
     assert "dsv4-parity run --case" not in out and "Repro" not in out
+
+
+@pytest.mark.parametrize("edit", [{"git_rev": "0000000older"}, {"torch": "2.0.0"}, None],
+                         ids=["other-code", "other-torch", "same-environment"])
+def test_a_resume_under_another_environment_is_recorded_and_makes_the_run_incomplete(whole, tmp_path, capsys, edit):
+    """A run killed, then resumed after the code (or torch) changed, mixes cases of two environments: the resume
+    writes a ``resume`` row naming what changed, says so, and the run reads as incomplete (the drift gate fails it,
+    it cannot become a baseline). Control: a resume in the same environment writes none."""
+    from reports.baselines import save_baseline
+    from reports.errors import ReportError
+    from reports.load import load_run
+    from reports.table import metrics_table
+
+    out = tmp_path / "r"
+    assert main(RUN + ["--out", str(out)]) == 0
+    keep_cases(out, 2)
+    if edit:
+        lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
+        head = json.loads(lines[0])
+        head["env"].update(edit)
+        (out / "results.jsonl").write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+    capsys.readouterr()
+    assert main(["run", "--out", str(out), "--resume", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    resumes = [r for r in rows(out) if r["type"] == "resume"]
+    data = load_run(out)
+    if edit is None:
+        assert resumes == [] and data.incompleteness() == [] and "another environment" not in err
+        return
+    (key, value), = edit.items()
+    assert len(resumes) == 1 and resumes[0]["changed"][key][0] == value and resumes[0]["done"] == 2
+    assert "resuming under another environment" in err and key in err
+    assert [p for p in data.incompleteness() if p.startswith("resumed under another environment")]
+    with pytest.raises(ReportError, match="resumed under another environment"):
+        save_baseline(data, metrics_table(data), "cpu/x", root=tmp_path / "b")
+    # a later resume keeps the record (the stream is rewritten for appending)
+    keep_cases(out, 3)
+    assert main(["run", "--out", str(out), "--resume", "--quiet"]) == 0
+    assert [r for r in rows(out) if r["type"] == "resume"][0] == resumes[0]
