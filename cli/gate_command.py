@@ -186,6 +186,9 @@ def gate_command(args: argparse.Namespace) -> int:
         return 2
     if link is not None:
         point_link(link, out_dir)
+    from cli.report_command import preload_report_modules  # noqa: PLC0415
+
+    preload_report_modules()  # each path's report is drawn after its run: imported while the cases run
     run_tokens = strip_options(manifest["argv"], {**GATE_OPTIONS, **PER_PATH})
     multi = len(names) > 1
     if multi:

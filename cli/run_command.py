@@ -196,6 +196,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.oracle:
             if args.oracle not in ORACLES:
                 raise CaseError("oracle", f"unknown oracle {args.oracle!r} (known: {', '.join(ORACLES)})")
+        if args.make_default and not args.no_report:
+            report_command.preload_report_modules()  # drawn after the last case: imported while the cases run
         counts, code, out_dir, link = run_oracle_or_parity(args, args.oracle)
     except CaseError as exc:
         print(f"error: {exc}", file=sys.stderr)

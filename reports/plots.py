@@ -32,9 +32,19 @@ plt.rcParams.update({"font.size": 8, "axes.titlesize": 9, "axes.labelsize": 8, "
 
 def to_data_uri(fig: plt.Figure) -> str:
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")  # every figure calls tight_layout itself: no second layout pass here
+    fig.savefig(buffer, format="png")  # each figure sets its own margins: no layout pass here
     plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _margins(fig: plt.Figure, labels: list[str]) -> None:
+    """Fixed margins for a figure of horizontal rows labelled ``labels`` on the left and an x label below: room for
+    the longest label and the x axis, computed from the font size (``tight_layout`` measured every tick label's
+    extent: over a second of a report drawn after a run's last case)."""
+    height = fig.get_figheight()
+    label_in = max((len(n) for n in labels), default=0) * 0.62 * plt.rcParams["font.size"] / 72 + 0.2
+    fig.subplots_adjust(left=min(0.45, label_in / fig.get_figwidth()), right=0.975, wspace=0.04,
+                        bottom=min(0.45, 0.5 / height), top=1 - min(0.2, 0.12 / height))
 
 
 def _class_rank(name: str) -> int:
@@ -85,7 +95,7 @@ def tensor_distributions(table: pd.DataFrame, metrics: pd.DataFrame) -> str | No
     right.legend(loc="lower right", fontsize=7)
     left.set_yticks(range(len(names)), names)
     left.invert_yaxis()
-    fig.tight_layout()
+    _margins(fig, names)
     return to_data_uri(fig)
 
 
@@ -110,7 +120,9 @@ def noise_floor_histograms(table: pd.DataFrame, metrics: pd.DataFrame) -> str | 
         ax.set_xlabel("log10 noise-floor ratio")
     for ax in list(axes.flat)[len(classes):]:
         ax.axis("off")
-    fig.tight_layout()
+    height = fig.get_figheight()  # 2 inches a row: title above, tick labels and x label below each
+    fig.subplots_adjust(left=0.04, right=0.99, wspace=0.22, bottom=0.45 / height, top=1 - 0.25 / height,
+                        hspace=0.75 / 1.4)
     return to_data_uri(fig)
 
 
@@ -147,5 +159,5 @@ def drift_plot(drift: DriftResult) -> str | None:
     ax.invert_yaxis()
     ax.set_xlabel(f"current / baseline {drift.config.metric} per matched pair (log scale); "
                   f"dashed: the {drift.config.factor:g}× gate")
-    fig.tight_layout()
+    _margins(fig, classes)
     return to_data_uri(fig)

@@ -16,7 +16,6 @@ from rich.console import Console
 from .baselines import BASELINES_ROOT, Baseline, default_baseline, load_baseline
 from .coverage_gate import case_reasons, kernel_counts, other_work
 from .drift import DriftResult, GateConfig, compare_tables
-from .html import HTML_NAME, render_html
 from .load import RunData, load_run
 from .mutants import load_mutants
 from .table import CSV_NAME, metrics_table, write_csv
@@ -65,6 +64,8 @@ def render_run(run: str | Path, *, baseline: str | None = "auto", console: Conso
     csv_path = write_csv(table, directory / CSV_NAME) if csv else None
     html_path = None
     if html:
+        from .html import HTML_NAME, render_html  # matplotlib: imported when a report is drawn (see cli.report_command)
+
         html_path = render_html(data, table, directory / HTML_NAME, drift=drift,
                                 baseline_name=base.name if base else None, baseline_env=base.env if base else None,
                                 mutants=load_mutants(directory, data.tensors["tensor"].drop_duplicates().tolist()))

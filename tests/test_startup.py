@@ -71,3 +71,18 @@ def test_cli_without_torch_still_says_so_in_one_line():
     ok = subprocess.run([sys.executable, "-c", code.replace("'cases'", "'metamorphic', '--list'")],
                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert ok.returncode == 0 and "thd-pack" in ok.stdout  # negative control: a torch-free command runs
+
+
+def test_the_gate_loads_the_report_drawing_in_the_background_not_before_its_run(monkeypatch):
+    """matplotlib (~1.4 s on 2 cores) is imported by the HTML report alone: ``reports.gate`` / ``reports.render``
+    (what ``dsv4-parity gate`` imports before its runs start) load without it, and a run that will draw its report
+    starts importing it on a background thread (``cli.report_command.preload_report_modules``) while its cases run.
+    Control: the preload does load it."""
+    import subprocess
+
+    probe = ("import sys, threading; import reports.gate, reports.render; before = 'matplotlib' in sys.modules; "
+             "from cli.report_command import preload_report_modules; preload_report_modules(); "
+             "[t.join() for t in threading.enumerate() if t.name == 'report-import']; "
+             "print(before, 'matplotlib' in sys.modules, 'reports.html' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True", "True"]
