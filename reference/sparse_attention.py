@@ -66,15 +66,15 @@ def sum_rows_in_order(values: torch.Tensor, ids: torch.Tensor, rows: int) -> tor
     D = values.shape[-1]
     out = values.new_zeros((rows, D))
     M = ids.numel()
-    if M == 0:
+    if M == 0 or rows == 0:
         return out
     device = ids.device
     dropped = ids < 0
-    row_of = torch.where(dropped, rows, ids)                          # dropped entries: a bin past the last row
-    binned = torch.zeros(rows + 1, dtype=torch.int64, device=device).scatter_add_(
-        0, row_of, torch.ones_like(row_of))                           # entries per row, and the bin's
+    row_of = torch.where(dropped, rows, ids).to(torch.int64)         # dropped entries: a bin past the last row
     sorted_rows, perm = torch.sort(row_of, stable=True)              # duplicates keep their order
-    starts = torch.cumsum(binned, 0) - binned                         # where each row's run begins
+    # where each row's run begins (and the bin's, and the end): no scatter, so no deterministic-mode detour
+    bounds = torch.searchsorted(sorted_rows, torch.arange(rows + 2, device=device))
+    starts, binned = bounds[:-1], bounds[1:] - bounds[:-1]           # entries per row, and the bin's
     rank = torch.arange(M, device=device) - starts[sorted_rows]      # an entry's place in its run
     by_count = torch.sort(binned[:rows], descending=True, stable=True)  # rows, most duplicates first
     place = torch.empty_like(by_count.indices)

@@ -139,6 +139,15 @@ def _stream_reasons(rows: list[tuple[int, dict[str, Any]]]) -> dict[str, int]:
     return {str(k): int(v) for k, v in pd.Series(keys, dtype=object).value_counts().items()}
 
 
+def _stream_plans(rows: list[tuple[int, dict[str, Any]]]) -> list:
+    """The ``plan`` of each case's last ``case`` row in a results stream (:func:`reports.load.read_rows`)."""
+    found: dict[str, Any] = {}
+    for _, row in rows:
+        if row.get("type") == "case" and "case_id" in row:
+            found[str(row["case_id"])] = row.get("plan")
+    return list(found.values())
+
+
 def _from_run(name: str, results: Path) -> Baseline:
     """An earlier run as the baseline: its ``results.csv`` when newer than the JSONL, else the JSONL itself. Only a
     complete run (an ``end`` row, every case started, none cut off): a partial one would gate only the work it did."""
@@ -150,7 +159,8 @@ def _from_run(name: str, results: Path) -> Baseline:
                         sum(1 for _, r in rows if r.get("type") == "resume"))
         table = read_csv(csv)
         return Baseline(name=name, path=results.parent, table=table,
-                        env=provenance(run, _counts(table), ended_complete(end), end, _stream_reasons(rows)))
+                        env=provenance(run, _counts(table), ended_complete(end), end, _stream_reasons(rows),
+                                       kernel_counts(_stream_plans(rows))))
     data = load_run(results)
     _refuse_partial("--baseline", f"run {name}", data.complete, data.end, data.cut, len(data.resumes))
     return Baseline(name=name, path=results.parent, table=metrics_table(data),

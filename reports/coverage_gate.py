@@ -244,15 +244,26 @@ def _missing_metric(current: pd.DataFrame, baseline: pd.DataFrame, metric: str) 
     return lacking.loc[lacking["_merge"] == "left_only", ["case_id", "tensor"]].reset_index(drop=True)
 
 
-def kernel_counts(cases: pd.DataFrame) -> dict[str, int]:
-    """``{"stage:provider": cases}`` from the cases' ``plan`` dicts: which kernel provider each stage ran, counted
-    over the cases (what a baseline's ``env.json`` records as ``kernels``)."""
+def kernel_counts(cases: pd.DataFrame | list) -> dict[str, int]:
+    """``{"stage:provider": cases}`` from the cases' ``plan`` dicts (a frame with a ``plan`` column, or the plans):
+    which kernel providers each stage ran, counted over the cases (what a baseline's ``env.json`` records as
+    ``kernels``). A stage that ran several (``cudnn+torch``: a kernel and its fallback on some calls) counts for
+    each."""
+    plans = cases if isinstance(cases, list) else list(cases["plan"]) if "plan" in cases.columns else []
     counts: dict[str, int] = {}
-    for plan in cases["plan"] if "plan" in cases.columns else []:
-        for stage, provider in (plan if isinstance(plan, dict) else {}).items():
-            key = f"{stage}:{provider}"
-            counts[key] = counts.get(key, 0) + 1
+    for plan in plans:
+        for stage, providers in (plan if isinstance(plan, dict) else {}).items():
+            for provider in sorted(set(str(providers).split("+"))):
+                key = f"{stage}:{provider}"
+                counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def _count(value: Any) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def declared_provider(row: Mapping[str, Any]) -> str | None:
@@ -279,8 +290,8 @@ def other_work(run: Mapping[str, Any], kernels: Mapping[str, int], baseline_env:
         found.append(f"provider {ours!r}, the baseline's {theirs!r}")
     recorded = baseline_env.get("kernels")
     if isinstance(recorded, dict):
-        gone = {k: int(n) for k, n in recorded.items()
-                if int(n) > 0 and k.partition(":")[2] != "torch" and not kernels.get(k)}
+        gone = {str(k): _count(n) for k, n in recorded.items()
+                if _count(n) > 0 and str(k).partition(":")[2] != "torch" and not kernels.get(str(k))}
         if gone:
             listed = ", ".join(f"{k} ({n} case(s))" for k, n in list(gone.items())[:EXAMPLES])
             more = f" and {len(gone) - EXAMPLES} more" if len(gone) > EXAMPLES else ""

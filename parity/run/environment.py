@@ -8,6 +8,7 @@ available. Package versions come from the installed distributions' metadata, so 
 from __future__ import annotations
 
 import platform
+import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -72,14 +73,32 @@ def environment(device: str = "cpu") -> dict:
     }
 
 
-#: the environment keys that can change a case's result: code, libraries, GPU, draws (``host``, ``driver`` and
-#: ``python``'s patch level do not)
+#: the environment keys that can change a case's result: code, libraries, GPU architecture, draws (``host``,
+#: ``driver``, ``python``'s patch level and the GPU's model within one architecture do not: a resume on a larger card
+#: of the same architecture re-runs the cases that did not fit, README "Testing Megatron-LM")
 RESULT_KEYS = ("git_rev", "torch", "cuda", "cudnn", "cudnn_frontend", "flash_mla", "gpu", "device", "generator")
+#: the kernel libraries: they change no result of a provider that runs none of them
+KERNEL_LIBRARIES = ("cudnn_frontend", "flash_mla")
+#: providers that run none of :data:`KERNEL_LIBRARIES` (the torch kernels; production's unfused path; its fused path
+#: over the torch kernels)
+NO_KERNEL_LIBRARIES = ("torch", "unfused", "emulated")
 
 
-def environment_changes(recorded: Optional[dict], now: dict) -> dict:
+def _architecture(gpu) -> Optional[str]:
+    """``sm90`` of ``NVIDIA H200 (sm90)``; the string itself when it names none (None stays None)."""
+    if gpu is None:
+        return None
+    match = re.search(r"\((sm\d+)\)", str(gpu))
+    return match.group(1) if match else str(gpu)
+
+
+def environment_changes(recorded: Optional[dict], now: dict, provider: Optional[str] = None) -> dict:
     """``{key: [recorded, now]}`` for each :data:`RESULT_KEYS` entry that differs between a run row's ``env`` and
-    this process's (a resume under other code or libraries; empty when none differs or nothing is recorded)."""
+    this process's (a resume under other code or libraries; empty when none differs or nothing is recorded). The GPU
+    counts by its architecture; the kernel libraries not for a ``provider`` that runs none of them."""
     if not isinstance(recorded, dict):
         return {}
-    return {k: [recorded.get(k), now.get(k)] for k in RESULT_KEYS if k in recorded and recorded.get(k) != now.get(k)}
+    keys = [k for k in RESULT_KEYS if not (k in KERNEL_LIBRARIES and provider in NO_KERNEL_LIBRARIES)]
+    same = {"gpu": _architecture}
+    return {k: [recorded.get(k), now.get(k)] for k in keys
+            if k in recorded and same.get(k, lambda v: v)(recorded.get(k)) != same.get(k, lambda v: v)(now.get(k))}

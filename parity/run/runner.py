@@ -208,10 +208,13 @@ def _resume_note(existing: results.Existing, todo: int) -> str:
 def _record_other_environment(writer: results.ResultsWriter, existing: results.Existing, device: str,
                               todo: int) -> None:
     """A resume under other code, libraries or GPU than the run row records (:func:`environment_changes`): the run
-    then mixes cases of two environments. Written as a ``resume`` row (``changed``: key -> [recorded, now]; ``done``:
+    then mixes cases of two environments (a resume with nothing left to run adds no case: no row). Written as a
+    ``resume`` row (``changed``: key -> [recorded, now]; ``done``:
     the cases finished before it) and said on stderr; the reports count the run as incomplete (a gate must not pass
     cases the code under test never ran)."""
-    changed = environment_changes(existing.run_row.get("env"), environment(device))
+    row = existing.run_row
+    info = row.get("impl_info") if isinstance(row.get("impl_info"), dict) else {}
+    changed = environment_changes(row.get("env"), environment(device), info.get("provider") or row.get("provider"))
     if not changed:
         return
     writer.write([{"type": "resume", "at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -252,7 +255,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     writer = results.ResultsWriter(path)
     if config.link is not None:
         point_link(config.link, out_dir)  # from its start, `latest` names this run
-    if config.resume and existing.run_row is not None and existing.outcomes:
+    if config.resume and existing.run_row is not None and existing.outcomes and todo:
         _record_other_environment(writer, existing, device, len(todo))
     if config.resume and (existing.outcomes or existing.cut or existing.errored or existing.larger_gpu):
         print(_resume_note(existing, len(todo)), file=sys.stderr)

@@ -400,3 +400,34 @@ def test_a_resume_under_another_environment_is_recorded_and_makes_the_run_incomp
     keep_cases(out, 3)
     assert main(["run", "--out", str(out), "--resume", "--quiet"]) == 0
     assert [r for r in rows(out) if r["type"] == "resume"][0] == resumes[0]
+
+
+def test_a_resume_with_nothing_left_to_run_records_no_other_environment(whole, tmp_path, capsys):
+    """A finished run resumed under other code runs no case there: no ``resume`` row, the run stays whole (found by
+    review: ``gate --resume`` resumes every path, finished ones too, and marked them incomplete)."""
+    from reports.load import load_run
+
+    out = tmp_path / "r"
+    assert main(RUN + ["--out", str(out)]) == 0
+    lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
+    head = json.loads(lines[0])
+    head["env"]["git_rev"] = "0000000older"
+    (out / "results.jsonl").write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+    assert main(["run", "--out", str(out), "--resume", "--quiet"]) == 0
+    assert [r for r in rows(out) if r["type"] == "resume"] == [] and load_run(out).incompleteness() == []
+
+
+def test_what_a_resume_counts_as_another_environment():
+    """The GPU counts by its architecture (a larger card of the same one re-runs the cases that did not fit); the
+    kernel libraries not for a provider that runs none of them; code and torch always."""
+    from parity.run.environment import environment_changes
+
+    env = {"git_rev": "a", "torch": "2.11", "gpu": "NVIDIA H100 80GB HBM3 (sm90)", "flash_mla": "1.0.0",
+           "cudnn_frontend": "1.32.0", "host": "x", "driver": "1"}
+    assert environment_changes(env, {**env, "gpu": "NVIDIA H200 (sm90)", "host": "y", "driver": "2"}) == {}
+    assert environment_changes(env, {**env, "gpu": "NVIDIA B200 (sm100)"}) == {
+        "gpu": ["NVIDIA H100 80GB HBM3 (sm90)", "NVIDIA B200 (sm100)"]}
+    assert environment_changes(env, {**env, "flash_mla": None}, "unfused") == {}
+    assert environment_changes(env, {**env, "flash_mla": None}, "cudnn") == {"flash_mla": ["1.0.0", None]}
+    assert environment_changes(env, {**env, "git_rev": "b"}, "unfused") == {"git_rev": ["a", "b"]}
+    assert environment_changes(None, env) == {}

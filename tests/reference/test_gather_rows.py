@@ -110,3 +110,13 @@ def test_one_add_per_duplicate_rank_and_no_copy_back():
     with Ops() as augmented:
         acc[:2] += more
     assert augmented.names.count("copy_") == 1
+
+
+def test_no_rows_and_int32_ids_are_accepted():
+    """Edge inputs the scheduled sum takes as the plain one did (found by review): no destination rows (every id
+    dropped), and int32 ids."""
+    values = torch.randn(3, 5)
+    assert sum_rows_in_order(values, torch.tensor([-1, -1, -1]), 0).shape == (0, 5)
+    ids = torch.tensor([2, 0, 2], dtype=torch.int32)
+    want = torch.zeros(3, 5).index_put_((ids.long(),), values, accumulate=True)
+    assert torch.equal(sum_rows_in_order(values, ids, 3), want)

@@ -422,3 +422,35 @@ def test_a_torch_fallback_the_baseline_had_is_no_loss_when_the_run_runs_the_real
     assert all(k.endswith(":torch") for k in base.env["kernels"])
     better = write_rows(with_provider(rows_of(n_cases=N, run_id="c"), "cudnn", "cudnn"), tmp_path / "c")
     assert render_run(better, baseline=str(base.path), html=False, csv=False).drift.passed
+
+
+def test_a_run_directory_baseline_read_through_its_csv_keeps_the_kernel_rule(tmp_path):
+    """A run directory as the baseline is read through its ``results.csv`` once that is newer than the stream (the
+    usual case: its report was drawn); the kernels its cases ran still count (found by review: that path recorded
+    none, so only the declared-provider fallback applied). Control: the same baseline read from its stream."""
+    import os
+
+    base_dir = write_rows(with_provider(rows_of(n_cases=N, run_id="b"), "auto", "cudnn"), tmp_path / "b")
+    fell_back = write_rows(with_provider(rows_of(n_cases=N, run_id="fb"), "auto", "torch"), tmp_path / "fb")
+    from_stream = render_run(fell_back, baseline=str(base_dir), html=False, csv=False).drift
+    render_run(base_dir, baseline=None, html=False, csv=True)  # the baseline's results.csv, newer than its stream
+    stream = base_dir / "results.jsonl"
+    os.utime(stream, (stream.stat().st_atime, (base_dir / "results.csv").stat().st_mtime - 10))
+    from_csv = render_run(fell_back, baseline=str(base_dir), html=False, csv=False).drift
+    for drift in (from_stream, from_csv):
+        assert not drift.passed and "ran in none of its cases" in drift.coverage.other_work[0]
+
+
+@pytest.mark.parametrize("run_kernel, lost", [("cudnn", False), ("torch+cudnn", False), ("torch", True)])
+def test_a_stage_that_ran_a_kernel_and_its_fallback_counts_for_each(tmp_path, run_kernel, lost):
+    """A plan value ``cudnn+torch`` (the kernel on some calls, its fallback on others) is two kernels: a run whose
+    stage ran ``cudnn`` alone, or the same two in another order, lost nothing; one that ran only the fallback lost
+    the kernel (found by review: values were compared as whole strings)."""
+    run = write_rows(with_provider(rows_of(n_cases=N, run_id="b"), "cudnn", "cudnn+torch"), tmp_path / "b")
+    data = load_run(run)
+    save_baseline(data, metrics_table(data), "h200/gate", root=tmp_path / "bl")
+    base = load_baseline("h200/gate", root=tmp_path / "bl")
+    assert all(k.rsplit(":", 1)[1] in ("cudnn", "torch") for k in base.env["kernels"])
+    now = write_rows(with_provider(rows_of(n_cases=N, run_id="n"), "cudnn", run_kernel), tmp_path / "n")
+    drift = render_run(now, baseline=str(base.path), html=False, csv=False).drift
+    assert (not drift.passed) is lost and bool(drift.coverage.other_work) is lost
