@@ -67,14 +67,14 @@ def teacher_target(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
 
 @torch.no_grad()
 def block_teacher(topk: Optional[torch.Tensor], query: torch.Tensor, compressed: torch.Tensor, lse_nc: torch.Tensor,
-                  visible: torch.Tensor, n_rows: int, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  visible: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher of one row block: ``(T [B, s, C], valid [B, s, C])`` over the block's candidates ``C`` (``K``
     selected ids, or every compressed entry for the dense loss), from ``topk [B, s, K]`` (``None``: dense),
     ``query [B, s, n, D]``, ``compressed [B, n_comp, D]``, ``lse_nc [B, s, n]`` and the visible entry counts
     ``visible [s]``. The candidates' keys are gathered here, inside the block. No gradient."""
     B, n_comp = compressed.shape[0], compressed.shape[1]
     if topk is None:  # dense: every valid entry, keys shared by the rows of the block
-        ids = torch.arange(n_comp, device=query.device).expand(B, n_rows, n_comp)
+        ids = torch.arange(n_comp, device=query.device).expand(B, query.shape[1], n_comp)
         keys = compressed.unsqueeze(1)
     else:
         ids = topk
@@ -111,7 +111,7 @@ def dense_kl_rows(index_scores: torch.Tensor, query: torch.Tensor, compressed: t
                   ) -> torch.Tensor:
     """One row block of the dense loss: :func:`kl_rows` with its teacher made inside the block. The dense target is
     ``[B, s, n_comp]``, rows x entries over a sequence, so it is not kept for backward but made again there."""
-    target, valid = block_teacher(None, query, compressed, lse_nc, visible, index_scores.shape[1], softmax_scale)
+    target, valid = block_teacher(None, query, compressed, lse_nc, visible, softmax_scale)
     return kl_rows(index_scores, None, target, valid, at_scores)
 
 
@@ -142,8 +142,7 @@ def indexer_kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], qu
             blocks.append(per_block(dense_kl_rows, index_scores[:, rows], query[:, rows], compressed, lse_nc[:, rows],
                                     visible[rows], scale, at))
             continue
-        target, valid = block_teacher(topk[:, rows], query[:, rows], compressed, lse_nc[:, rows], visible[rows],
-                                      rows.stop - rows.start, scale)
+        target, valid = block_teacher(topk[:, rows], query[:, rows], compressed, lse_nc[:, rows], visible[rows], scale)
         blocks.append(per_block(kl_rows, index_scores[:, rows], topk[:, rows], target, valid, at))
     return torch.cat(blocks, dim=1)
 

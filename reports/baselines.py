@@ -88,8 +88,8 @@ def provenance(run: dict[str, Any], counts: dict[str, int], complete: bool,
     """``env.json`` of a baseline: the run row's identity and environment (and the implementation's
     ``impl_info``: revision, provider, stand-ins), the case counts, the unsupported reasons with their counts
     (``reasons``; None: not known), the kernels its cases ran (``kernels``: ``stage:provider`` -> cases,
-    :func:`reports.coverage_gate.kernel_counts`; None: not known); for a run its time budget stopped (``--budget-s``), ``not_run`` = the number of
-    selected cases it did not start."""
+    :func:`reports.coverage_gate.kernel_counts`; None: not known); for a run its time budget stopped
+    (``--budget-s``), ``not_run`` = the number of selected cases it did not start."""
     env = run.get("env") if isinstance(run.get("env"), dict) else {}
     out = {"run_id": run.get("run_id"), "suite": run.get("suite"), "impl": run.get("impl"),
            "against": run.get("against"), "provider": run.get("provider"), "started": run.get("started"),
@@ -128,24 +128,20 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _stream_reasons(rows: list[tuple[int, dict[str, Any]]]) -> dict[str, int]:
-    """``{unsupported reason: cases}`` of a results stream's rows (:func:`reports.load.read_rows`), the last report
-    of each case."""
-    found: dict[str, str] = {}
+def _last_case_rows(rows: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The last ``case`` row of each case in a results stream's rows (:func:`reports.load.read_rows`)."""
+    found: dict[str, dict[str, Any]] = {}
     for _, row in rows:
         if row.get("type") == "case" and "case_id" in row:
-            found[str(row["case_id"])] = row.get("message") if row.get("outcome") == "unsupported" else None
-    keys = [reason_key(m) for m in found.values() if m is not None]
-    return {str(k): int(v) for k, v in pd.Series(keys, dtype=object).value_counts().items()}
-
-
-def _stream_plans(rows: list[tuple[int, dict[str, Any]]]) -> list:
-    """The ``plan`` of each case's last ``case`` row in a results stream (:func:`reports.load.read_rows`)."""
-    found: dict[str, Any] = {}
-    for _, row in rows:
-        if row.get("type") == "case" and "case_id" in row:
-            found[str(row["case_id"])] = row.get("plan")
+            found[str(row["case_id"])] = row
     return list(found.values())
+
+
+def _stream_reasons(cases: list[dict[str, Any]]) -> dict[str, int]:
+    """``{unsupported reason: cases}`` of a stream's case rows (:func:`_last_case_rows`)."""
+    keys = [reason_key(r["message"]) for r in cases
+            if r.get("outcome") == "unsupported" and r.get("message") is not None]
+    return {str(k): int(v) for k, v in pd.Series(keys, dtype=object).value_counts().items()}
 
 
 def _from_run(name: str, results: Path) -> Baseline:
@@ -154,18 +150,19 @@ def _from_run(name: str, results: Path) -> Baseline:
     csv = results.parent / CSV_NAME
     if csv.is_file() and csv.stat().st_mtime >= results.stat().st_mtime:
         run, end = peek_run(results)
-        rows = read_rows(results)[0]  # one read of the stream: its cut cases and its unsupported reasons
+        rows = read_rows(results)[0]  # one read of the stream: its cut cases, unsupported reasons and kernels
+        cases = _last_case_rows(rows)
         _refuse_partial("--baseline", f"run {name}", ended_complete(end), end, cut_cases(rows),
                         sum(1 for _, r in rows if r.get("type") == "resume"))
         table = read_csv(csv)
         return Baseline(name=name, path=results.parent, table=table,
-                        env=provenance(run, _counts(table), ended_complete(end), end, _stream_reasons(rows),
-                                       kernel_counts(_stream_plans(rows))))
+                        env=provenance(run, _counts(table), ended_complete(end), end, _stream_reasons(cases),
+                                       kernel_counts(r.get("plan") for r in cases)))
     data = load_run(results)
     _refuse_partial("--baseline", f"run {name}", data.complete, data.end, data.cut, len(data.resumes))
     return Baseline(name=name, path=results.parent, table=metrics_table(data),
                     env=provenance(data.run, data.counts, data.complete, reasons=reason_counts(data.cases),
-                                   kernels=kernel_counts(data.cases)))
+                                   kernels=kernel_counts(data.cases["plan"])))
 
 
 def _refuse_partial(option: str, run: str, complete: bool, end: dict[str, Any] | None, cut: list[str],
@@ -310,7 +307,7 @@ def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path =
     target.mkdir(parents=True, exist_ok=True)
     write_csv(table, target / METRICS_NAME)
     env = provenance(data.run, data.counts, data.complete, data.end, reason_counts(data.cases),
-                     kernel_counts(data.cases))
+                     kernel_counts(data.cases["plan"]))
     (target / ENV_NAME).write_text(json.dumps(env, indent=2, sort_keys=True) + "\n")
     if gate is not None:
         (target / GATE_NAME).write_text(json.dumps(gate.to_dict(), indent=2, sort_keys=True) + "\n")

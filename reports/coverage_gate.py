@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
@@ -244,12 +244,10 @@ def _missing_metric(current: pd.DataFrame, baseline: pd.DataFrame, metric: str) 
     return lacking.loc[lacking["_merge"] == "left_only", ["case_id", "tensor"]].reset_index(drop=True)
 
 
-def kernel_counts(cases: pd.DataFrame | list) -> dict[str, int]:
-    """``{"stage:provider": cases}`` from the cases' ``plan`` dicts (a frame with a ``plan`` column, or the plans):
-    which kernel providers each stage ran, counted over the cases (what a baseline's ``env.json`` records as
-    ``kernels``). A stage that ran several (``cudnn+torch``: a kernel and its fallback on some calls) counts for
-    each."""
-    plans = cases if isinstance(cases, list) else list(cases["plan"]) if "plan" in cases.columns else []
+def kernel_counts(plans: Iterable[Any]) -> dict[str, int]:
+    """``{"stage:provider": cases}`` from the cases' ``plan`` dicts (``{stage: provider}``, one per case): which
+    kernel providers each stage ran, counted over the cases (what a baseline's ``env.json`` records as ``kernels``).
+    A stage that ran several (``cudnn+torch``: a kernel and its fallback on some calls) counts for each."""
     counts: dict[str, int] = {}
     for plan in plans:
         for stage, providers in (plan if isinstance(plan, dict) else {}).items():

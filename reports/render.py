@@ -43,7 +43,7 @@ def drift_of(data: RunData, table: pd.DataFrame, base: Baseline, **overrides: ob
     reasons against the ones the baseline recorded; what it ran against what the baseline ran)."""
     return compare_tables(table, base.table, gate_for(base, **overrides), reasons=case_reasons(data.cases),
                           baseline_reasons=base.reasons, incomplete=data.incompleteness(),
-                          other=other_work(data.run, kernel_counts(data.cases), base.env))
+                          other=other_work(data.run, kernel_counts(data.cases["plan"]), base.env))
 
 
 def render_run(run: str | Path, *, baseline: str | None = "auto", console: Console | None = None,

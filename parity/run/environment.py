@@ -98,7 +98,9 @@ def environment_changes(recorded: Optional[dict], now: dict, provider: Optional[
     counts by its architecture; the kernel libraries not for a ``provider`` that runs none of them."""
     if not isinstance(recorded, dict):
         return {}
-    keys = [k for k in RESULT_KEYS if not (k in KERNEL_LIBRARIES and provider in NO_KERNEL_LIBRARIES)]
-    same = {"gpu": _architecture}
+    def comparable(key: str, value):
+        return _architecture(value) if key == "gpu" else value
+
+    keys = [k for k in RESULT_KEYS if k in recorded and not (k in KERNEL_LIBRARIES and provider in NO_KERNEL_LIBRARIES)]
     return {k: [recorded.get(k), now.get(k)] for k in keys
-            if k in recorded and same.get(k, lambda v: v)(recorded.get(k)) != same.get(k, lambda v: v)(now.get(k))}
+            if comparable(k, recorded.get(k)) != comparable(k, now.get(k))}
