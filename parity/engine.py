@@ -385,7 +385,7 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
         record = truth.record or {}
         result.sign_split = {"adopted": record.get("relu_adopted", 0), "rejected": record.get("relu_rejected", 0),
                              "window_usage": record.get("relu_window_usage", 0.0),
-                             "scores": pattern.scores is not None}
+                             "scores": pattern.scores is not None, "probe": pattern.probe}
     result.topk = report.summary() if report is not None else None
     ran = {p for value in result.plan.values() for p in str(value).split("+")}
     if options.require and outcome in ("pass", "fail") and options.require not in ran:
@@ -407,10 +407,12 @@ def observe_pattern(case: Case, impl: Implementation, tensors, provider: str, op
     if not sign_split.applies(case):
         return None
     settings = sign_split.Settings(**policy.section("sign_split"))
-    active = sign_split.observe(impl.api, case, tensors, impl.context(provider, options.require), settings)
-    if active is None:
+    observed = sign_split.observe(impl.api, case, tensors, impl.context(provider, options.require), settings)
+    if observed is None:
         return None
-    return sign_split.Pattern(active, sign_split.window(case, settings), sign_split.split_scores(active, scores))
+    active, probe = observed
+    return sign_split.Pattern(active, sign_split.window(case, settings), sign_split.split_scores(active, scores),
+                              probe)
 
 
 def eager(fn):

@@ -12,6 +12,12 @@ but row ``h`` set to 0. Its ``index_scores`` are then ``wI[t, h] · σI · ReLU(
 implementation's own ``qI`` / ``kI`` (its own query latent in layer scope), so ``score != 0`` is exactly its
 ``qI[t, h]·kI[s] > 0`` wherever ``wI[t, h] != 0`` (where it is 0 the product sends no gradient anyway).
 
+A core-scope case whose implementation also exposes the public ``indexer`` (same signature as the reference's)
+is probed through it, since the scores are the indexer's alone and the attention the core forward also runs is
+most of its work: head 0 is observed both ways first, and only if the two ``index_scores`` agree bit for bit do the
+other heads go through ``indexer``; otherwise every head keeps the core forward. ``Pattern.probe`` names the entry
+point that observed the pattern.
+
 The reference adopts the pattern only where its own product is within ``window_ulps`` × the case dtype's epsilon
 (× the dot's rounding scale) of 0 (:mod:`reference.activation`), so a wrong pattern cannot hide a real error.
 float64 cases (no rounding to speak of), eval cases and cases without an indexer loss skip it; so do cases whose
@@ -46,6 +52,7 @@ class Pattern:
     active: torch.Tensor
     window: float
     scores: Optional[torch.Tensor] = None
+    probe: str = "core_attention"
 
 
 @dataclass(frozen=True)
@@ -76,13 +83,38 @@ def _eval_scores(api, case: Case, tensors: CaseTensors, params: dict) -> torch.T
     return out.index_scores
 
 
+def _indexer_scores(api, case: Case, tensors: CaseTensors, params: dict) -> torch.Tensor:
+    inputs = tensors.inputs
+    return api.indexer(inputs["hidden"], inputs["q_latent"], params, case.config, tensors.packed_seq_params)[0]
+
+
+def same_bits(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """Equal shape, dtype and values, NaN nowhere (``torch.equal`` on both)."""
+    return (a is not None and b is not None and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+            and torch.equal(a, b))
+
+
+def entry_points(api, case: Case) -> tuple:
+    """``(name, scores_fn)`` of the entry point that observes heads after the first: the public ``indexer`` for a core
+    case of an implementation that has one, else the case's own entry point."""
+    if case.scope == "core" and callable(getattr(api, "indexer", None)):
+        return "indexer", _indexer_scores
+    return entry_point(case), _eval_scores
+
+
+def entry_point(case: Case) -> str:
+    return "attention_layer" if case.scope == "layer" else "core_attention"
+
+
 def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], ContextManager],
-            settings: Settings = Settings()) -> Optional[torch.Tensor]:
-    """The implementation's ``qI·kI > 0`` as bool ``[B, S, nI, n_comp]`` (BSHD) / ``[T, nI, width]`` (THD), on the
-    tensors' device; ``None`` if the pattern would exceed ``settings.max_elements`` or the implementation returns no
-    index scores (production runs no indexer when no sequence has a compressed row: nothing to split)."""
+            settings: Settings = Settings()) -> Optional[tuple]:
+    """``(active, probe)``: the implementation's ``qI·kI > 0`` as bool ``[B, S, nI, n_comp]`` (BSHD) / ``[T, nI,
+    width]`` (THD) on the tensors' device, and the entry point that observed heads 1.. (see the module docstring);
+    ``None`` if the pattern would exceed ``settings.max_elements`` or the implementation returns no index scores
+    (production runs no indexer when no sequence has a compressed row: nothing to split)."""
     heads = case.config.dsa_indexer_n_heads
     weights = tensors.params[WEIGHTS]
+    probe, scores_of = entry_points(api, case)
     per_head = []
     with torch.no_grad(), context():
         for h in range(heads):
@@ -90,13 +122,20 @@ def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], Context
             isolated[h] = weights[h]
             params = dict(tensors.params)
             params[WEIGHTS] = isolated
-            scores = _eval_scores(api, case, tensors, params)
-            if scores is None:
-                return None
-            if not per_head and scores.numel() * heads > settings.max_elements:
-                return None
+            if h == 0:
+                scores = _eval_scores(api, case, tensors, params)
+                if scores is None:
+                    return None
+                if scores.numel() * heads > settings.max_elements:
+                    return None
+                if scores_of is not _eval_scores and not same_bits(scores_of(api, case, tensors, params), scores):
+                    probe, scores_of = entry_point(case), _eval_scores
+            else:
+                scores = scores_of(api, case, tensors, params)
+                if scores is None:
+                    return None
             per_head.append(torch.isfinite(scores) & (scores != 0))
-    return torch.stack(per_head, dim=-2)
+    return torch.stack(per_head, dim=-2), probe
 
 
 def split_scores(active: torch.Tensor, scores: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

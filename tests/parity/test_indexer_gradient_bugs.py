@@ -148,7 +148,7 @@ def test_wrong_pattern_moves_the_truth():
     case = fast_cases()[0]
     tensors = materialize(case, "cpu")
     plain = take_snapshot(reference, case, tensors, upcast=True)
-    wrong = sign_split.observe(load("fused").api, case, tensors, load("fused").context("torch")).clone().fill_(True)
+    wrong = sign_split.observe(load("fused").api, case, tensors, load("fused").context("torch"))[0].clone().fill_(True)
     loose = take_snapshot(reference, case, tensors, upcast=True,
                           context=lambda: reference.use_activation_pattern(wrong, 1e30))
     window = sign_split.window(case, sign_split.Settings())
@@ -166,7 +166,7 @@ def test_observed_pattern_has_a_head_axis_and_both_signs():
     case = fast_cases()[0]
     tensors = materialize(case, "cpu")
     fused = load("fused")
-    active = sign_split.observe(fused.api, case, tensors, fused.context("torch"))
+    active, _ = sign_split.observe(fused.api, case, tensors, fused.context("torch"))
     assert active.dtype == torch.bool and active.shape[-2] == case.config.dsa_indexer_n_heads
     assert 0 < int(active.sum()) < active.numel()
 

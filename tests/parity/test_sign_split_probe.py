@@ -1,0 +1,107 @@
+"""Sign-split's probe (parity/judge/sign_split.py): a core case is observed through the implementation's public
+``indexer`` only where that gives the core forward's ``index_scores`` bit for bit; the pattern is the same either way."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from cases.suites import load_suite
+from cases.tensors import materialize
+from parity.impls import load
+from parity.judge import sign_split
+
+
+def _rows(case) -> int:
+    lay = case.layout
+    return lay.total_tokens if case.is_thd else lay.batch * lay.seq_len
+
+
+def _case(scope: str, thd: bool):
+    """The smoke case of that scope and layout with the most rows (its pattern has both signs)."""
+    cases = [c for c in load_suite("smoke") if sign_split.applies(c) and c.scope == scope and c.is_thd == thd]
+    return max(cases, key=_rows)
+
+
+class Counting:
+    """The fused API with its entry points counted; ``indexer`` optionally replaced or removed."""
+
+    def __init__(self, api, indexer="keep"):
+        self.api, self.calls = api, {"core_attention": 0, "attention_layer": 0, "indexer": 0}
+        if indexer is None:
+            self.indexer = None
+        elif indexer != "keep":
+            self._indexer = indexer
+
+    def __getattr__(self, name):
+        if name == "indexer" and "_indexer" in self.__dict__:
+            target = self.__dict__["_indexer"]
+        else:
+            target = getattr(self.api, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return target(*args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("thd", [False, True], ids=["bshd", "thd"])
+def test_core_case_probed_through_the_indexer_gives_the_core_forwards_pattern(thd):
+    case = _case("core", thd)
+    fused = load("fused")
+    tensors = materialize(case, "cpu")
+    fast = Counting(fused.api)
+    active, probe = sign_split.observe(fast, case, tensors, fused.context("torch"))
+    plain = Counting(fused.api, indexer=None)
+    reference_active, plain_probe = sign_split.observe(plain, case, tensors, fused.context("torch"))
+    heads = case.config.dsa_indexer_n_heads
+    assert probe == "indexer" and plain_probe == "core_attention"
+    assert fast.calls["core_attention"] == 1 and fast.calls["indexer"] == heads  # head 0 both ways, then the indexer
+    assert plain.calls["core_attention"] == heads and plain.calls["indexer"] == 0
+    assert torch.equal(active, reference_active)
+    assert 0 < int(active.sum()) < active.numel()
+
+
+def test_an_indexer_that_differs_from_the_core_forward_is_not_used():
+    """Negative control: an ``indexer`` whose scores are off by one ulp somewhere is caught on head 0, and every head
+    is observed through the core forward again."""
+    case = _case("core", True)
+    fused = load("fused")
+    tensors = materialize(case, "cpu")
+
+    def off_by_an_ulp(*args, **kwargs):
+        scores, ids = fused.api.indexer(*args, **kwargs)
+        scores = scores.clone()
+        finite = torch.isfinite(scores) & (scores != 0)
+        first = finite.flatten().nonzero()[0]
+        flat = scores.view(-1)
+        flat[first] = torch.nextafter(flat[first], torch.full_like(flat[first], float("inf")))
+        return scores, ids
+
+    api = Counting(fused.api, indexer=off_by_an_ulp)
+    active, probe = sign_split.observe(api, case, tensors, fused.context("torch"))
+    plain, _ = sign_split.observe(Counting(fused.api, indexer=None), case, tensors, fused.context("torch"))
+    assert probe == "core_attention"
+    assert api.calls["indexer"] == 1 and api.calls["core_attention"] == case.config.dsa_indexer_n_heads
+    assert torch.equal(active, plain)
+
+
+def test_layer_cases_keep_their_own_entry_point():
+    """The layer's indexer reads the implementation's own query latent, which no public call returns alone."""
+    case = _case("layer", True)
+    fused = load("fused")
+    api = Counting(fused.api)
+    _, probe = sign_split.observe(api, case, materialize(case, "cpu"), fused.context("torch"))
+    assert probe == "attention_layer" and api.calls["indexer"] == 0
+    assert api.calls["attention_layer"] == case.config.dsa_indexer_n_heads
+
+
+def test_same_bits():
+    a = torch.tensor([1.0, float("-inf")])
+    assert sign_split.same_bits(a, a.clone())
+    assert not sign_split.same_bits(a, a.double())
+    assert not sign_split.same_bits(a, torch.tensor([1.0, 0.0]))
+    assert not sign_split.same_bits(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    assert not sign_split.same_bits(a, None)
