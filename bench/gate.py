@@ -4,7 +4,9 @@ The gate suite runs as ``dsv4-parity run`` subprocesses (exactly what ``make par
 ``--suite gate --provider cudnn --workers auto --make-default``, the report rendering included), twice over one compiled-kernel cache directory: **cold** (a fresh,
 empty cache: every CuTe-DSL kernel compiles) then **warm** (the same cache, as a re-run on the same runner). Each run
 records its wall time, the outcome counts, the per-case phases summed over the workers (``phases_s`` of the
-``results.jsonl`` case rows: materialize / impl / reference / compare), and the compiled-kernel cache's counters summed
+``results.jsonl`` case rows: materialize / impl / reference / compare), the implementation's kernel calls and their
+summed time (the rows' ``impl_kernels``: the wall time over it is how far the gate is from the GPU's own pace), and
+the compiled-kernel cache's counters summed
 over its processes (:mod:`fused.kernels.compile_cache`: per kernel namespace the compiles and their seconds, the
 loads from disk and theirs). Targets (:data:`bench.targets.TARGETS`): warm and cold wall time, no failure, and the
 two runs agree case by case.
@@ -53,7 +55,11 @@ def summarize_results(path: Path) -> dict[str, Any]:
     phases = {**{p: 0.0 for p in PHASES}, **engine_phases(rows)}
     cases = len(rows)
     total = sum(phases.values()) or 1.0
+    timed = [row["impl_kernels"] for row in rows if isinstance(row.get("impl_kernels"), dict)]
+    kernels = {"cases": len(timed), "calls": sum(int(k.get("calls") or 0) for k in timed),
+               "seconds": round(sum(float(k.get("seconds") or 0.0) for k in timed), 3)}
     return {"cases": cases, "outcomes": outcomes, "phases_s": {k: round(v, 2) for k, v in phases.items()},
+            "impl_kernels": kernels,
             "phase_share": {k: round(v / total, 4) for k, v in phases.items()},
             "device_memory": sum(row.get("decided_by") == "device-memory" for row in rows),
             "occupancy": end.get("occupancy")}
@@ -89,14 +95,19 @@ def unknown_runs(runs: Sequence[str]) -> Optional[str]:
             "repeat it: cold,warm,warm)")
 
 
-def kernel_pace(wall_s: float, cases: int, impl_s: float) -> dict[str, Any]:
-    """How far the gate is from the GPU's own pace: ``per_case_s`` (wall / cases), ``impl_per_case_s`` (the ``impl``
+def kernel_pace(wall_s: float, cases: int, impl_s: float, kernel_s: Optional[float] = None) -> dict[str, Any]:
+    """How far the gate is from the GPU's own pace: ``per_case_s`` (wall / cases); ``impl_per_case_s`` (the ``impl``
     phase summed over the workers / cases: the implementation under test, its kernels and their composition, the
     only part a kernel engineer's change moves) and ``wall_over_impl``: the wall time over that sum, 1.0 when the gate
-    took no longer than running the implementation's cases back to back."""
+    took no longer than running the implementation's cases back to back; ``kernel_per_case_s`` and
+    ``wall_over_kernels``: the same against the summed time of the implementation's kernel calls alone (the case
+    rows' ``impl_kernels``, :mod:`parity.run.kernel_time`; None where none were timed)."""
+    timed = kernel_s is not None and kernel_s > 0
     return {"per_case_s": round(wall_s / cases, 3) if cases else None,
             "impl_per_case_s": round(impl_s / cases, 3) if cases else None,
-            "wall_over_impl": round(wall_s / impl_s, 2) if impl_s > 0 else None}
+            "wall_over_impl": round(wall_s / impl_s, 2) if impl_s > 0 else None,
+            "kernel_per_case_s": round(kernel_s / cases, 4) if timed and cases else None,
+            "wall_over_kernels": round(wall_s / kernel_s, 1) if timed else None}
 
 
 def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provider: str, workers: str,
@@ -124,7 +135,7 @@ def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provid
     row = {"run": label, "wall_s": round(wall, 2), "exit_code": code, "command": " ".join(cmd[1:]),
            "cache_dir": str(cache_dir), "out": str(out), "output_tail": tail.splitlines()[-6:]}
     row.update(summarize_results(out / "results.jsonl"))
-    row.update(kernel_pace(wall, row["cases"], row["phases_s"].get("impl", 0.0)))
+    row.update(kernel_pace(wall, row["cases"], row["phases_s"].get("impl", 0.0), row["impl_kernels"]["seconds"]))
     row["compile"] = collect_compile_stats(stats_dir)
     target = TARGETS.get(f"{'pr' if impl == 'fused' else 'production'}_gate_{label}_s")
     failed = row["outcomes"].get("fail", 0) + row["outcomes"].get("error", 0)
@@ -180,7 +191,8 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
         log(f"gate {name}: {row['wall_s']} s, {row['outcomes']}, compiled {row['compile']['totals'].get('compiled', 0)}"
             f" kernels in {row['compile']['totals'].get('compile_s', 0)} s, loaded "
             f"{row['compile']['totals'].get('loaded', 0)}"
-            + (f"; workers busy {100 * busy['share']:.0f} %" if busy.get("share") is not None else ""))
+            + (f"; workers busy {100 * busy['share']:.0f} %" if busy.get("share") is not None else "")
+            + (f"; wall / kernel time {row['wall_over_kernels']}" if row.get("wall_over_kernels") else ""))
         section["runs"].append(row)
     done = [r for r in section["runs"] if "out" in r]
     first = {r["run"]: r for r in reversed(done)}

@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fused.plan import observe_kernels
+from parity.run.kernel_time import Stopwatch
 
 
 # ---- timing -------------------------------------------------------------------------------------------------------
@@ -51,36 +52,6 @@ class Timing:
             return {"median_ms": None, "min_ms": None, "max_ms": None, "repeats": 0}
         return {"median_ms": round(self.median * 1e3, 4), "min_ms": round(min(self.seconds) * 1e3, 4),
                 "max_ms": round(max(self.seconds) * 1e3, 4), "repeats": len(self.seconds)}
-
-
-class Stopwatch:
-    """Times a region on the device's clock: CUDA events (asynchronous, read after :func:`synchronize`) or the
-    CPU's ``perf_counter``."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self._start = self._end = None
-        self._t0 = self._t1 = 0.0
-
-    def start(self) -> None:
-        if self.device == "cuda":
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
-
-    def stop(self) -> None:
-        if self.device == "cuda":
-            self._end.record()
-        else:
-            self._t1 = time.perf_counter()
-
-    def seconds(self) -> float:
-        """Elapsed seconds (on CUDA the caller has synchronised)."""
-        if self.device == "cuda":
-            return self._start.elapsed_time(self._end) / 1e3
-        return self._t1 - self._t0
 
 
 def time_call(fn: Callable[[], Any], device: str, *, warmup: int = 1, repeats: int = 3, target_s: float = 2.0,

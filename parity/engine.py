@@ -54,6 +54,7 @@ from parity.impls import Implementation, is_unsupported, policy_provider
 from parity.judge import api_check, padding_dout, sign_split, structure, verdict
 from parity.judge.snapshot import take_snapshot
 from parity.run import out_of_memory
+from parity.run.kernel_time import KernelTime
 from parity.run.results import CaseResult
 
 
@@ -319,7 +320,9 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
         with clock("materialize"):
             tensors = materialize(case, device)
         stage = f"{impl.name} run"
-        with clock("impl"):
+        observe = impl.optional_hook("observe_kernels")
+        timer = KernelTime(device) if observe is not None else None
+        with clock("impl"), (observe(timer.observe) if timer else contextlib.nullcontext()):
             impl_run = (tensors, True)  # what the impl stage ran, for locating a backward error (backward_origin)
             impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
             contract_snap = None
@@ -328,6 +331,8 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
                 impl_run = (padding_dout.padding_dout_only(tensors), False)
                 contract_snap = take_snapshot(impl.api, case, impl_run[0],
                                               context=impl.context(provider, options.require), with_loss=False)
+        if timer is not None:  # the clock synchronised the device on leaving the phase: the events are read
+            result.impl_kernels = timer.record()
         result.plan = impl_snap.record or {}
         stage, pattern = f"{impl.name} activation pattern", None
         if sign_split.applies(case):

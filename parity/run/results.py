@@ -62,6 +62,7 @@ class CaseResult:
     precision: Optional[str] = None  # the implementation's declared working precision, when below the case dtype
     known: Optional[dict] = None  # the known deviation that matched ({id, status, ...}), see parity.deviations.known
     failed_at: Optional[dict] = None  # an exception's {stage, implementation_run}: where the case stopped
+    impl_kernels: Optional[dict] = None  # {calls, seconds}: the implementation's kernel calls in its run (kernel_time)
 
     @property
     def case_id(self) -> str:
@@ -90,6 +91,8 @@ class CaseResult:
             out["known"] = self.known
         if self.failed_at:
             out["failed_at"] = self.failed_at
+        if self.impl_kernels is not None:
+            out["impl_kernels"] = dict(self.impl_kernels)
         return out
 
     def rows(self) -> list[dict]:
@@ -128,7 +131,7 @@ class CaseResult:
                    plan=head["plan"], topk=head["topk"],
                    tensors=list(tensors.values()), sign_split=head.get("sign_split"),
                    not_provided=head.get("not_provided") or {}, precision=head.get("precision"),
-                   known=head.get("known"), failed_at=head.get("failed_at"))
+                   known=head.get("known"), failed_at=head.get("failed_at"), impl_kernels=head.get("impl_kernels"))
 
 
 def dumps(row: dict) -> str:

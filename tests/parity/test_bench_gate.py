@@ -24,7 +24,8 @@ def fake_gate(outcomes_by_run, compiled_by_run, seen_env):
         rows = [{"type": "run"}]
         for i, outcome in enumerate(outcomes_by_run[label]):
             rows.append({"type": "case", "case_id": f"c{i}", "outcome": outcome,
-                         "phases_s": {"materialize": 1.0, "impl": 3.0, "reference": 0.5, "compare": 0.5}})
+                         "phases_s": {"materialize": 1.0, "impl": 3.0, "reference": 0.5, "compare": 0.5},
+                         **({"impl_kernels": {"calls": 4, "seconds": 0.25}} if outcome == "pass" else {})})
         rows.append({"type": "end"})
         (out / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         stats = Path(env[compile_cache.ENV_STATS])
@@ -62,6 +63,18 @@ def test_cold_then_warm_over_one_cache(tmp_path, monkeypatch):
     assert section["cold_vs_warm"]["agree"]
     # the pace against the implementation's own time: 2 cases, impl 6 s summed
     assert cold["impl_per_case_s"] == 3.0 and cold["wall_over_impl"] == round(cold["wall_s"] / 6.0, 2)
+    # and against its kernel calls alone: one case timed them (0.25 s, 4 calls), the unsupported one ran none
+    assert cold["impl_kernels"] == {"cases": 1, "calls": 4, "seconds": 0.25}
+    assert cold["kernel_per_case_s"] == 0.125 and cold["wall_over_kernels"] == round(cold["wall_s"] / 0.25, 1)
+
+
+def test_kernel_pace_without_timed_kernels_says_none():
+    """Negative control: a run whose rows timed no kernel (an implementation without ``observe_kernels``, or one
+    written before) gives no kernel ratio rather than a ratio over zero."""
+    pace = bench_gate.kernel_pace(10.0, 2, 4.0, 0.0)
+    assert pace["wall_over_kernels"] is None and pace["kernel_per_case_s"] is None
+    assert bench_gate.kernel_pace(10.0, 2, 4.0)["wall_over_kernels"] is None
+    assert bench_gate.kernel_pace(10.0, 2, 4.0, 0.5)["wall_over_kernels"] == 20.0
 
 
 def test_the_production_gate_runs_megatron_against_its_own_target(tmp_path):
