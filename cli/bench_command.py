@@ -68,7 +68,8 @@ examples:
   dsv4-parity bench --json out/bench.json             # + out/bench.png
   dsv4-parity bench --profile kernel,flash,pro --tokens 4K,8K,16K,32K,64K --json $OUT/bench.json   # one H200
   dsv4-parity bench --sections harness --harness-suite smoke --harness-limit 0   # the whole smoke suite
-  dsv4-parity bench --sections gate --json $OUT/gate.json   # one H200: the gate suite cold, then warm
+  dsv4-parity bench --sections gate --json $OUT/gate.json   # one H200: the gate suite cold, then warm; its wall
+                                                      # time over the summed time of the kernels it checks
   dsv4-parity bench --sections ops --harness-suite smoke --harness-limit 0 --json out/ops.json
                                                       # ATen ops (~ kernel launches) per case and phase, any device
   dsv4-parity bench --sections e2e --impl megatron --provider emulated --profile tiny --tokens 256 --no-reference
