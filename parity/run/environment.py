@@ -7,6 +7,7 @@ available. Package versions come from the installed distributions' metadata, so 
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import re
 import subprocess
@@ -30,21 +31,36 @@ def _dist_version(*names: str) -> Optional[str]:
     return None
 
 
-def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
+def _run(cmd: list[str], cwd: Optional[Path] = None, strip: bool = True) -> Optional[str]:
     try:
         out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    return out.stdout.strip() if strip else out.stdout
 
 
 def git_rev(repo: Path = REPO) -> Optional[str]:
-    """``HEAD`` commit, with ``-dirty`` when tracked files differ from it."""
+    """``HEAD`` commit; with ``-dirty.<hash>`` when the tree differs from it: the first 8 hex digits of a SHA-256
+    over the tracked files' diff against ``HEAD`` and the untracked, not ignored files (path and bytes). Two runs of
+    one revision with other uncommitted code then differ here too (a resume compares it: ``environment_changes``)."""
     rev = _run(["git", "rev-parse", "--short=12", "HEAD"], repo)
     if rev is None:
         return None
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo)
-    return rev + ("-dirty" if dirty else "")
+    diff = _run(["git", "diff", "HEAD", "--no-ext-diff", "--no-color", "--binary"], repo, strip=False) or ""
+    untracked = (_run(["git", "ls-files", "--others", "--exclude-standard", "-z"], repo, strip=False) or "")
+    names = sorted(n for n in untracked.split("\0") if n)
+    if not diff and not names:
+        return rev
+    digest = hashlib.sha256(diff.encode("utf-8", "surrogateescape"))
+    for name in names:
+        digest.update(b"\0" + name.encode("utf-8", "surrogateescape") + b"\0")
+        try:
+            digest.update((repo / name).read_bytes())
+        except OSError:
+            digest.update(b"<unreadable>")
+    return f"{rev}-dirty.{digest.hexdigest()[:8]}"
 
 
 def environment(device: str = "cpu") -> dict:

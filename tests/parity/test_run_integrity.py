@@ -431,3 +431,37 @@ def test_what_a_resume_counts_as_another_environment():
     assert environment_changes(env, {**env, "flash_mla": None}, "cudnn") == {"flash_mla": ["1.0.0", None]}
     assert environment_changes(env, {**env, "git_rev": "b"}, "unfused") == {"git_rev": ["a", "b"]}
     assert environment_changes(None, env) == {}
+
+
+def test_the_revision_of_an_uncommitted_tree_names_its_content(tmp_path):
+    """``git_rev`` of a dirty tree carries a hash of the change (tracked diff and untracked files), so a resume
+    under other uncommitted code of the same commit counts as another environment; a clean tree is the bare commit
+    (the control), and the same change gives the same name."""
+    import subprocess
+
+    from parity.run.environment import git_rev
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    clean = git_rev(tmp_path)
+    assert clean and "-dirty" not in clean
+    (tmp_path / "a.py").write_text("x = 2\n")
+    first = git_rev(tmp_path)
+    assert first.startswith(clean + "-dirty.") and first == git_rev(tmp_path)
+    (tmp_path / "a.py").write_text("x = 3\n")
+    second = git_rev(tmp_path)
+    assert second.startswith(clean + "-dirty.") and second != first
+    (tmp_path / "a.py").write_text("x = 1\n")
+    assert git_rev(tmp_path) == clean
+    (tmp_path / "new.py").write_text("y = 1\n")  # an untracked module changes what runs too
+    untracked = git_rev(tmp_path)
+    assert untracked.startswith(clean + "-dirty.")
+    (tmp_path / "new.py").write_text("y = 2\n")
+    assert git_rev(tmp_path) not in (untracked, clean)
