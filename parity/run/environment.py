@@ -41,15 +41,23 @@ def _run(cmd: list[str], cwd: Optional[Path] = None, strip: bool = True) -> Opti
     return out.stdout.strip() if strip else out.stdout
 
 
+#: what changes no case's result, left out of an uncommitted tree's hash (:func:`git_rev`): the baselines the drift
+#: gate reads (a GPU run records and restores them mid-gate, ``.ci/h200-pr-gate.sh``) and prose
+NOT_CODE = (":(exclude)reports/baselines", ":(exclude)*.md")
+
+
 def git_rev(repo: Path = REPO) -> Optional[str]:
-    """``HEAD`` commit; with ``-dirty.<hash>`` when the tree differs from it: the first 8 hex digits of a SHA-256
-    over the tracked files' diff against ``HEAD`` and the untracked, not ignored files (path and bytes). Two runs of
-    one revision with other uncommitted code then differ here too (a resume compares it: ``environment_changes``)."""
+    """``HEAD`` commit; with ``-dirty.<hash>`` when the code differs from it: the first 8 hex digits of a SHA-256
+    over the tracked files' diff against ``HEAD`` and the untracked, not ignored files (path and bytes), both
+    without :data:`NOT_CODE`. Two runs of one revision with other uncommitted code then differ here too (a resume
+    compares it: ``environment_changes``)."""
     rev = _run(["git", "rev-parse", "--short=12", "HEAD"], repo)
     if rev is None:
         return None
-    diff = _run(["git", "diff", "HEAD", "--no-ext-diff", "--no-color", "--binary"], repo, strip=False) or ""
-    untracked = (_run(["git", "ls-files", "--others", "--exclude-standard", "-z"], repo, strip=False) or "")
+    diff = _run(["git", "diff", "HEAD", "--no-ext-diff", "--no-color", "--binary", "--", ".", *NOT_CODE], repo,
+                strip=False) or ""
+    untracked = (_run(["git", "ls-files", "--others", "--exclude-standard", "-z", "--", ".", *NOT_CODE], repo,
+                      strip=False) or "")
     names = sorted(n for n in untracked.split("\0") if n)
     if not diff and not names:
         return rev

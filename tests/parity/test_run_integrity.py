@@ -465,3 +465,8 @@ def test_the_revision_of_an_uncommitted_tree_names_its_content(tmp_path):
     assert untracked.startswith(clean + "-dirty.")
     (tmp_path / "new.py").write_text("y = 2\n")
     assert git_rev(tmp_path) not in (untracked, clean)
+    (tmp_path / "new.py").unlink()
+    (tmp_path / "reports" / "baselines" / "h200" / "gate").mkdir(parents=True)  # data and prose are not code
+    (tmp_path / "reports" / "baselines" / "h200" / "gate" / "metrics.csv").write_text("case_id\n")
+    (tmp_path / "NOTE.md").write_text("measured\n")
+    assert git_rev(tmp_path) == clean
