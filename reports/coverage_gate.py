@@ -264,11 +264,16 @@ def _count(value: Any) -> int:
         return 0
 
 
-def declared_provider(row: Mapping[str, Any]) -> str | None:
-    """The provider a run row (or a baseline's ``env.json``) declares: its implementation's resolved one
-    (``impl_info.provider``) or the option given; None for ``auto`` or none (resolved per machine)."""
+def stated_provider(row: Mapping[str, Any]) -> Any:
+    """The provider a run row (or a baseline's ``env.json``) names: its implementation's resolved one
+    (``impl_info.provider``), else the option given (``auto`` included), else None."""
     info = row.get("impl_info") if isinstance(row.get("impl_info"), dict) else {}
-    provider = info.get("provider") or row.get("provider")
+    return info.get("provider") or row.get("provider")
+
+
+def declared_provider(row: Mapping[str, Any]) -> str | None:
+    """:func:`stated_provider`, None for ``auto`` or none (resolved per machine)."""
+    provider = stated_provider(row)
     return None if provider in (None, "", "auto") else str(provider)
 
 

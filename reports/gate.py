@@ -32,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .baselines import BASELINES_ROOT, arch_of, default_name, load_baseline
+from .coverage_gate import stated_provider
 from .errors import ReportError
 from .load import RESULTS_NAME
 from .render import Rendered, render_run
@@ -179,9 +180,7 @@ def providers_text(rendered: Rendered) -> str:
     for row in plans.itertuples():
         ran[row.provider] = max(ran.get(row.provider, 0), int(row.cases))
     stages = ", ".join(f"{p} ({n})" for p, n in sorted(ran.items(), key=lambda kv: -kv[1]))
-    info = data.run.get("impl_info") if isinstance(data.run.get("impl_info"), dict) else {}
-    provider = info.get("provider") or data.run.get("provider")
-    return f"provider {provider}" + (f", kernels {stages}" if stages else "")
+    return f"provider {stated_provider(data.run)}" + (f", kernels {stages}" if stages else "")
 
 
 def summary_line(verdict: RunVerdict) -> str:
