@@ -61,8 +61,8 @@ def sum_rows_in_order(values: torch.Tensor, ids: torch.Tensor, rows: int) -> tor
     ``j``-th duplicates of all rows are added together, one vector add per rank.
 
     Every size is fixed by the shapes except the schedule itself (how many rows have a ``j``-th duplicate), which is
-    read from the device once (it waited up to five times before). CUDA's sync debug mode still counted two
-    synchronising calls on an H100 (2026-12-07): the second is not located yet (``tests/reference/test_cuda.py``).
+    read from the device once: on a GPU the function waits for it once, not once per data-dependent shape (it
+    waited up to five times before; ``tests/reference/test_cuda.py``).
     """
     D = values.shape[-1]
     out = values.new_zeros((rows, D))
