@@ -320,9 +320,11 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
         with clock("materialize"):
             tensors = materialize(case, device)
         stage = f"{impl.name} run"
-        observe = impl.optional_hook("observe_kernels")
+        # the implementation's kernel calls in its phase, timed (not under --cp: its ranks run in other processes)
+        observe = impl.optional_hook("observe_kernels") if options.cp <= 1 else None
         timer = KernelTime(device) if observe is not None else None
-        with clock("impl"), (observe(timer.observe) if timer else contextlib.nullcontext()):
+        timed = (lambda: observe(timer.observe)) if timer else contextlib.nullcontext
+        with clock("impl"), timed():
             impl_run = (tensors, True)  # what the impl stage ran, for locating a backward error (backward_origin)
             impl_snap = take_snapshot(impl.api, case, tensors, context=impl.context(provider, options.require))
             contract_snap = None
@@ -331,8 +333,6 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
                 impl_run = (padding_dout.padding_dout_only(tensors), False)
                 contract_snap = take_snapshot(impl.api, case, impl_run[0],
                                               context=impl.context(provider, options.require), with_loss=False)
-        if timer is not None:  # the clock synchronised the device on leaving the phase: the events are read
-            result.impl_kernels = timer.record()
         result.plan = impl_snap.record or {}
         stage, pattern = f"{impl.name} activation pattern", None
         if sign_split.applies(case):
@@ -349,7 +349,9 @@ def _decide_case(case: Case, impl: Implementation, against: Implementation, opti
         if pattern is None and sign_split.applies(case):
             note = "; ".join(filter(None, (note, "no sign-split (activation pattern over sign_split.max_elements, or no index scores observed)")))
         stage = "public compressor / indexer"
-        api_runs(case, impl, against, tensors, provider, options.require, impl_snap, truth, noise, clock)
+        api_runs(case, impl, against, tensors, provider, options.require, impl_snap, truth, noise, clock, timed)
+        if timer is not None:  # the clock synchronised the device on leaving each impl block: the events are read
+            result.impl_kernels = timer.record()
     except Exception as exc:  # noqa: BLE001 — every failure of a run is an outcome, never a crash of the harness
         if is_unsupported(exc) and not stage.startswith(against.name):
             return finish("unsupported", "unsupported", one_line(exc))
@@ -473,14 +475,15 @@ def reference_runs(case: Case, against: Implementation, tensors, split: Optional
 
 
 def api_runs(case: Case, impl: Implementation, against: Implementation, tensors, provider: str,
-             require: Optional[str], impl_snap, truth, noise, clock=None) -> None:
+             require: Optional[str], impl_snap, truth, noise, clock=None,
+             timed: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
     """Add the public compressor / indexer outputs (:mod:`parity.judge.api_check`) of ``impl`` and of ``against``
     (float64 truth and same-dtype noise) to the snapshots, when the layer has them and both implementations
     expose them."""
     if not (api_check.applies(case) and api_check.has_api(impl.api) and api_check.has_api(against.api)):
         return
     clock = clock or (lambda phase: contextlib.nullcontext())
-    with clock("impl"):
+    with clock("impl"), timed():
         api_check.merge(impl_snap, api_check.run_api(impl.api, case, tensors, context=impl.context(provider, require)))
     with clock("reference"):
         truth_api = eager(api_check.run_api)(against.api, case, tensors, upcast=True)

@@ -14,9 +14,9 @@ implementation's own ``qI`` / ``kI`` (its own query latent in layer scope), so `
 
 A core-scope case whose implementation also exposes the public ``indexer`` (same signature as the reference's)
 is probed through it, since the scores are the indexer's alone and the attention the core forward also runs is
-most of its work: head 0 is observed both ways first, and only if the two ``index_scores`` agree bit for bit do the
-other heads go through ``indexer``; otherwise every head keeps the core forward. ``Pattern.probe`` names the entry
-point that observed the pattern.
+most of its work: head 0 alone and then every head at once are observed both ways first, and only if both pairs of
+``index_scores`` agree bit for bit do the other heads go through ``indexer``; otherwise (or if ``indexer`` raises)
+the core forward observes them. ``Pattern.probe`` names the entry point that observed heads 1...
 
 The reference adopts the pattern only where its own product is within ``window_ulps`` × the case dtype's epsilon
 (× the dot's rounding scale) of 0 (:mod:`reference.activation`), so a wrong pattern cannot hide a real error.
@@ -106,12 +106,27 @@ def entry_point(case: Case) -> str:
     return "attention_layer" if case.scope == "layer" else "core_attention"
 
 
+def _indexer_agrees(api, case: Case, tensors: CaseTensors, params_head0: dict, head0: torch.Tensor) -> bool:
+    """Whether the public ``indexer`` gives the core forward's ``index_scores`` bit for bit, with head 0 alone
+    (``head0``: the core forward's) and with every head's weights (one more core forward): the first shows each
+    product of a head, the second every head's query and weight at once. An ``indexer`` that raises, or returns
+    something else, does not agree."""
+    try:
+        if not same_bits(_indexer_scores(api, case, tensors, params_head0), head0):
+            return False
+        return same_bits(_indexer_scores(api, case, tensors, dict(tensors.params)),
+                         _eval_scores(api, case, tensors, dict(tensors.params)))
+    except Exception:  # noqa: BLE001 — an optional entry point that fails is not used; the core forward decides
+        return False
+
+
 def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], ContextManager],
             settings: Settings = Settings()) -> Optional[tuple]:
     """``(active, probe)``: the implementation's ``qI·kI > 0`` as bool ``[B, S, nI, n_comp]`` (BSHD) / ``[T, nI,
-    width]`` (THD) on the tensors' device, and the entry point that observed heads 1.. (see the module docstring);
-    ``None`` if the pattern would exceed ``settings.max_elements`` or the implementation returns no index scores
-    (production runs no indexer when no sequence has a compressed row: nothing to split)."""
+    width]`` (THD) on the tensors' device, and the entry point that observed heads 1.. (``indexer`` only where every
+    one of them went through it; see the module docstring); ``None`` if the pattern would exceed
+    ``settings.max_elements`` or the implementation returns no index scores (production runs no indexer when no
+    sequence has a compressed row: nothing to split)."""
     heads = case.config.dsa_indexer_n_heads
     weights = tensors.params[WEIGHTS]
     probe, scores_of = entry_points(api, case)
@@ -122,16 +137,20 @@ def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], Context
             isolated[h] = weights[h]
             params = dict(tensors.params)
             params[WEIGHTS] = isolated
+            scores = None
             if h == 0:
                 scores = _eval_scores(api, case, tensors, params)
-                if scores is None:
+                if scores is None or scores.numel() * heads > settings.max_elements:
                     return None
-                if scores.numel() * heads > settings.max_elements:
-                    return None
-                if scores_of is not _eval_scores and not same_bits(scores_of(api, case, tensors, params), scores):
+                if scores_of is not _eval_scores and not _indexer_agrees(api, case, tensors, params, scores):
                     probe, scores_of = entry_point(case), _eval_scores
-            else:
-                scores = scores_of(api, case, tensors, params)
+            elif scores_of is not _eval_scores:
+                try:
+                    scores = scores_of(api, case, tensors, params)
+                except Exception:  # noqa: BLE001 — the core forward observes this head and the rest
+                    probe, scores_of = entry_point(case), _eval_scores
+            if scores is None:
+                scores = _eval_scores(api, case, tensors, params)
                 if scores is None:
                     return None
             per_head.append(torch.isfinite(scores) & (scores != 0))

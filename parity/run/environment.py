@@ -8,6 +8,7 @@ available. Package versions come from the installed distributions' metadata, so 
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import re
 import subprocess
@@ -31,43 +32,63 @@ def _dist_version(*names: str) -> Optional[str]:
     return None
 
 
-def _run(cmd: list[str], cwd: Optional[Path] = None, strip: bool = True) -> Optional[str]:
+def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
     try:
-        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, errors="replace", timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0 or not out.stdout.strip():
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def _git_paths(args: list[str], repo: Path) -> Optional[list[bytes]]:
+    """The NUL-separated paths a git command prints, as bytes (any name git can hold); None if it failed."""
+    try:
+        out = subprocess.run(["git", *args], cwd=repo, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() if strip else out.stdout
+    return sorted(p for p in out.stdout.split(b"\0") if p) if out.returncode == 0 else None
 
 
 #: what changes no case's result, left out of an uncommitted tree's hash (:func:`git_rev`): the baselines the drift
 #: gate reads (a GPU run records and restores them mid-gate, ``.ci/h200-pr-gate.sh``) and prose
 NOT_CODE = (":(exclude)reports/baselines", ":(exclude)*.md")
+#: untracked files that count as code: Python modules (a run's own outputs, logs and a ``.venv`` link do not)
+UNTRACKED_CODE = ("*.py",)
+
+
+def _content(path: Path) -> bytes:
+    """What a changed path holds now: a link's target, a regular file's bytes, else a marker (deleted, other)."""
+    try:
+        if path.is_symlink():
+            return b"link:" + os.fsencode(os.readlink(path))
+        if path.is_file():
+            return b"file:" + path.read_bytes()
+        return b"deleted" if not path.exists() else b"other"
+    except OSError:
+        return b"unreadable"
 
 
 def git_rev(repo: Path = REPO) -> Optional[str]:
     """``HEAD`` commit; with ``-dirty.<hash>`` when the code differs from it: the first 8 hex digits of a SHA-256
-    over the tracked files' diff against ``HEAD`` and the untracked, not ignored files (path and bytes), both
-    without :data:`NOT_CODE`. Two runs of one revision with other uncommitted code then differ here too (a resume
-    compares it: ``environment_changes``)."""
+    over the path and current content of every tracked file that differs from ``HEAD`` (staged or not) and every
+    untracked, not ignored :data:`UNTRACKED_CODE` file, :data:`NOT_CODE` left out. The name depends only on the
+    files' state (not on diff settings or on what is staged), so two runs of one revision with other uncommitted
+    code differ here (a resume compares it: ``environment_changes``), and the same code gives the same name.
+    ``-dirty.unknown`` where git could not list the changes."""
     rev = _run(["git", "rev-parse", "--short=12", "HEAD"], repo)
     if rev is None:
         return None
-    diff = _run(["git", "diff", "HEAD", "--no-ext-diff", "--no-color", "--binary", "--", ".", *NOT_CODE], repo,
-                strip=False) or ""
-    untracked = (_run(["git", "ls-files", "--others", "--exclude-standard", "-z", "--", ".", *NOT_CODE], repo,
-                      strip=False) or "")
-    names = sorted(n for n in untracked.split("\0") if n)
-    if not diff and not names:
+    changed = _git_paths(["diff", "HEAD", "--name-only", "--no-renames", "-z", "--", ".", *NOT_CODE], repo)
+    untracked = _git_paths(["ls-files", "--others", "--exclude-standard", "-z", "--", *UNTRACKED_CODE, *NOT_CODE],
+                           repo)
+    if changed is None or untracked is None:
+        return f"{rev}-dirty.unknown"
+    paths = sorted(set(changed) | set(untracked))
+    if not paths:
         return rev
-    digest = hashlib.sha256(diff.encode("utf-8", "surrogateescape"))
-    for name in names:
-        digest.update(b"\0" + name.encode("utf-8", "surrogateescape") + b"\0")
-        try:
-            digest.update((repo / name).read_bytes())
-        except OSError:
-            digest.update(b"<unreadable>")
+    digest = hashlib.sha256()
+    for name in paths:
+        digest.update(name + b"\0" + _content(repo / os.fsdecode(name)) + b"\0")
     return f"{rev}-dirty.{digest.hexdigest()[:8]}"
 
 

@@ -6,9 +6,10 @@
   inside (``fused.observe_kernels``, production's kernel seam in ``adapters.megatron``): the calls and their summed
   seconds, outermost calls only (a kernel called inside another is not counted twice); a call that raised is left out.
 
-The engine attaches a :class:`KernelTime` to the implementation's run (the ``impl`` phase) and records
-``impl_kernels: {calls, seconds}`` in the case row, so a run's wall time can be set against the sum of the kernel
-times it exists to check (``bench --sections gate``: how far the harness is from the GPU's own pace). On CUDA an
+The engine attaches a :class:`KernelTime` to the implementation's calls (its ``impl`` phase: its run, the run with
+``dO`` on padding rows only, its public compressor / indexer; not under ``--cp``, whose ranks run in other
+processes) and records ``impl_kernels: {calls, seconds}`` in the case row, so a run's wall time can be set against
+the sum of the kernel times it exists to check (``bench --sections gate``: how far the harness is from the GPU's own pace). On CUDA an
 event pair measures the stream's timeline between the call's start and end: a GPU shared with other processes
 stretches it, and the launch gaps inside a call count too.
 """

@@ -470,3 +470,13 @@ def test_the_revision_of_an_uncommitted_tree_names_its_content(tmp_path):
     (tmp_path / "reports" / "baselines" / "h200" / "gate" / "metrics.csv").write_text("case_id\n")
     (tmp_path / "NOTE.md").write_text("measured\n")
     assert git_rev(tmp_path) == clean
+    (tmp_path / "runs" / "x").mkdir(parents=True)  # a run's own outputs in the checkout (found by review)
+    (tmp_path / "runs" / "x" / "results.jsonl").write_text("{}\n")
+    (tmp_path / "runs" / "x" / ".lock").write_text("123\n")
+    assert git_rev(tmp_path) == clean
+    (tmp_path / "a.py").write_bytes(b"x = '\xe9'\n")  # not UTF-8: named, not raised (found by review)
+    latin = git_rev(tmp_path)
+    assert latin.startswith(clean + "-dirty.")
+    git("config", "core.abbrev", "20")  # diff settings and staging do not rename the same code
+    git("add", "a.py")
+    assert git_rev(tmp_path) == latin

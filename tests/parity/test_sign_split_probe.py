@@ -58,7 +58,8 @@ def test_core_case_probed_through_the_indexer_gives_the_core_forwards_pattern(th
     reference_active, plain_probe = sign_split.observe(plain, case, tensors, fused.context("torch"))
     heads = case.config.dsa_indexer_n_heads
     assert probe == "indexer" and plain_probe == "core_attention"
-    assert fast.calls["core_attention"] == 1 and fast.calls["indexer"] == heads  # head 0 both ways, then the indexer
+    # head 0 alone and all heads at once both ways, then heads 1.. through the indexer
+    assert fast.calls["core_attention"] == 2 and fast.calls["indexer"] == heads + 1
     assert plain.calls["core_attention"] == heads and plain.calls["indexer"] == 0
     assert torch.equal(active, reference_active)
     assert 0 < int(active.sum()) < active.numel()
@@ -105,3 +106,47 @@ def test_same_bits():
     assert not sign_split.same_bits(a, torch.tensor([1.0, 0.0]))
     assert not sign_split.same_bits(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
     assert not sign_split.same_bits(a, None)
+
+
+def _plain_pattern(case, tensors, fused):
+    return sign_split.observe(Counting(fused.api, indexer=None), case, tensors, fused.context("torch"))[0]
+
+
+def test_an_indexer_right_on_head_0_alone_is_not_used():
+    """Negative control (found by review): an ``indexer`` that matches the core forward while only head 0 has
+    weights, and is off otherwise, fails the all-heads check and is not used."""
+    case = _case("core", True)
+    fused = load("fused")
+    tensors = materialize(case, "cpu")
+
+    def right_on_head_0_only(hidden, q_latent, params, config, psp=None):
+        others = params[sign_split.WEIGHTS][1:]
+        if bool((others == 0).all()):
+            return fused.api.indexer(hidden, q_latent, params, config, psp)
+        return fused.api.indexer(hidden, -q_latent, params, config, psp)
+
+    api = Counting(fused.api, indexer=right_on_head_0_only)
+    active, probe = sign_split.observe(api, case, tensors, fused.context("torch"))
+    assert probe == "core_attention" and api.calls["indexer"] == 2
+    assert torch.equal(active, _plain_pattern(case, tensors, fused))
+
+
+@pytest.mark.parametrize("fails_at", [0, 3])
+def test_an_indexer_that_raises_leaves_the_heads_to_the_core_forward(fails_at):
+    """An optional entry point that raises (another signature, a layout it declines) decides nothing: the core
+    forward observes the heads from there on, and the pattern is the core forward's (found by review: the case
+    became ``error`` or ``unsupported``)."""
+    case = _case("core", True)
+    fused = load("fused")
+    tensors = materialize(case, "cpu")
+    calls = []
+
+    def declines(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > fails_at + (1 if fails_at else 0):
+            raise NotImplementedError("this indexer declines THD")
+        return fused.api.indexer(*args, **kwargs)
+
+    active, probe = sign_split.observe(Counting(fused.api, indexer=declines), case, tensors, fused.context("torch"))
+    assert probe == "core_attention"
+    assert torch.equal(active, _plain_pattern(case, tensors, fused))
