@@ -148,6 +148,8 @@ def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], Context
                 try:
                     scores = scores_of(api, case, tensors, params)
                 except Exception:  # noqa: BLE001 — the core forward observes this head and the rest
+                    scores = None
+                if scores is None:
                     probe, scores_of = entry_point(case), _eval_scores
             if scores is None:
                 scores = _eval_scores(api, case, tensors, params)

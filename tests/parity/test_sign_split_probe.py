@@ -131,8 +131,8 @@ def test_an_indexer_right_on_head_0_alone_is_not_used():
     assert torch.equal(active, _plain_pattern(case, tensors, fused))
 
 
-@pytest.mark.parametrize("fails_at", [0, 3])
-def test_an_indexer_that_raises_leaves_the_heads_to_the_core_forward(fails_at):
+@pytest.mark.parametrize("fails_at, how", [(0, "raise"), (3, "raise"), (3, "none")])
+def test_an_indexer_that_raises_leaves_the_heads_to_the_core_forward(fails_at, how):
     """An optional entry point that raises (another signature, a layout it declines) decides nothing: the core
     forward observes the heads from there on, and the pattern is the core forward's (found by review: the case
     became ``error`` or ``unsupported``)."""
@@ -144,6 +144,8 @@ def test_an_indexer_that_raises_leaves_the_heads_to_the_core_forward(fails_at):
     def declines(*args, **kwargs):
         calls.append(1)
         if len(calls) > fails_at + (1 if fails_at else 0):
+            if how == "none":
+                return None, None
             raise NotImplementedError("this indexer declines THD")
         return fused.api.indexer(*args, **kwargs)
 
