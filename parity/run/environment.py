@@ -41,12 +41,13 @@ def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
 
 
 def _git_paths(args: list[str], repo: Path) -> Optional[list[bytes]]:
-    """The NUL-separated paths a git command prints, as bytes (any name git can hold); None if it failed."""
+    """The NUL-separated paths a git command prints, as bytes (any name git can hold), in its order; None if it
+    failed."""
     try:
         out = subprocess.run(["git", *args], cwd=repo, capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return sorted(p for p in out.stdout.split(b"\0") if p) if out.returncode == 0 else None
+    return [p for p in out.stdout.split(b"\0") if p] if out.returncode == 0 else None
 
 
 #: what changes no case's result, left out of an uncommitted tree's hash (:func:`git_rev`): the baselines the drift
