@@ -1,6 +1,7 @@
 """The machine and library versions a run used (the ``env`` field of the results ``run`` row).
 
-Keys: ``python torch cuda cudnn cudnn_frontend flash_mla gpu driver git_rev host device generator`` (``generator``: the
+Keys: ``python torch cuda cudnn cudnn_frontend flash_mla gpu driver git_rev code host device generator`` (``code``:
+:func:`code_rev`; ``generator``: the
 draw the case tensors start from, :data:`cases.draws.GENERATOR`); a value is ``None`` when not
 available. Package versions come from the installed distributions' metadata, so nothing heavy is imported.
 """
@@ -53,6 +54,13 @@ def _git_paths(args: list[str], repo: Path) -> Optional[list[bytes]]:
 #: what changes no case's result, left out of an uncommitted tree's hash (:func:`git_rev`): the baselines the drift
 #: gate reads (a GPU run records and restores them mid-gate, ``.ci/h200-pr-gate.sh``) and prose
 NOT_CODE = (":(exclude)reports/baselines", ":(exclude)*.md")
+
+
+def _is_not_code(path: bytes) -> bool:
+    """:data:`NOT_CODE` for one repository path (``git ls-tree`` takes no exclude pathspecs)."""
+    return path.startswith(b"reports/baselines/") or path.endswith(b".md")
+
+
 #: untracked files that count as code: Python modules (a run's own outputs, logs and a ``.venv`` link do not)
 UNTRACKED_CODE = ("*.py",)
 
@@ -69,28 +77,44 @@ def _content(path: Path) -> bytes:
         return b"unreadable"
 
 
-def git_rev(repo: Path = REPO) -> Optional[str]:
-    """``HEAD`` commit; with ``-dirty.<hash>`` when the code differs from it: the first 8 hex digits of a SHA-256
-    over the path and current content of every tracked file that differs from ``HEAD`` (staged or not) and every
-    untracked, not ignored :data:`UNTRACKED_CODE` file, :data:`NOT_CODE` left out. The name depends only on the
-    files' state (not on diff settings or on what is staged), so two runs of one revision with other uncommitted
-    code differ here (a resume compares it: ``environment_changes``), and the same code gives the same name.
-    ``-dirty.unknown`` where git could not list the changes."""
-    rev = _run(["git", "rev-parse", "--short=12", "HEAD"], repo)
-    if rev is None:
-        return None
+def _uncommitted_code(repo: Path) -> Optional[str]:
+    """``""`` when the code equals ``HEAD``'s; else ``-dirty.<hash>``: the first 8 hex digits of a SHA-256 over the
+    path and current content of every tracked file that differs from ``HEAD`` (staged or not) and every untracked,
+    not ignored :data:`UNTRACKED_CODE` file, :data:`NOT_CODE` left out; ``-dirty.unknown`` where git could not list
+    the changes. It depends only on the files' state (not on diff settings or on what is staged)."""
     changed = _git_paths(["diff", "HEAD", "--name-only", "--no-renames", "-z", "--", ".", *NOT_CODE], repo)
     untracked = _git_paths(["ls-files", "--others", "--exclude-standard", "-z", "--", *UNTRACKED_CODE, *NOT_CODE],
                            repo)
     if changed is None or untracked is None:
-        return f"{rev}-dirty.unknown"
+        return "-dirty.unknown"
     paths = sorted(set(changed) | set(untracked))
     if not paths:
-        return rev
+        return ""
     digest = hashlib.sha256()
     for name in paths:
         digest.update(name + b"\0" + _content(repo / os.fsdecode(name)) + b"\0")
-    return f"{rev}-dirty.{digest.hexdigest()[:8]}"
+    return f"-dirty.{digest.hexdigest()[:8]}"
+
+
+def git_rev(repo: Path = REPO) -> Optional[str]:
+    """``HEAD`` commit, with :func:`_uncommitted_code`'s ``-dirty.<hash>`` when the code differs from it: what a
+    reader looks up (reports name it). Two runs of one commit with other uncommitted code differ here."""
+    rev = _run(["git", "rev-parse", "--short=12", "HEAD"], repo)
+    return None if rev is None else rev + _uncommitted_code(repo)
+
+
+def code_rev(repo: Path = REPO) -> Optional[str]:
+    """The code a run ran, whatever commit holds it: the first 12 hex digits of a SHA-256 over ``HEAD``'s tracked
+    files outside :data:`NOT_CODE` (mode, blob id, path each), with :func:`_uncommitted_code`'s suffix. A commit
+    that changes only baselines or prose keeps it, so a gate started before such a commit is continued after it as
+    the same code (a resume compares this, not ``git_rev``: :func:`environment_changes`); any code change, committed
+    or not, changes it."""
+    listing = _git_paths(["ls-tree", "-r", "-z", "--full-tree", "HEAD"], repo)
+    if listing is None:
+        return None
+    code = [entry for entry in listing if not _is_not_code(entry.split(b"\t", 1)[-1])]
+    digest = hashlib.sha256(b"\0".join(code)).hexdigest()[:12]
+    return digest + _uncommitted_code(repo)
 
 
 def environment(device: str = "cpu") -> dict:
@@ -113,16 +137,17 @@ def environment(device: str = "cpu") -> dict:
         "gpu": gpu,
         "driver": driver,
         "git_rev": git_rev(),
+        "code": code_rev(),
         "host": platform.node(),
         "device": device,
         "generator": GENERATOR,
     }
 
 
-#: the environment keys that can change a case's result: code, libraries, GPU architecture, draws (``host``,
+#: the environment keys that can change a case's result: code (:func:`code_rev`), libraries, GPU architecture, draws (``host``,
 #: ``driver``, ``python``'s patch level and the GPU's model within one architecture do not: a resume on a larger card
 #: of the same architecture re-runs the cases that did not fit, README "Testing Megatron-LM")
-RESULT_KEYS = ("git_rev", "torch", "cuda", "cudnn", "cudnn_frontend", "flash_mla", "gpu", "device", "generator")
+RESULT_KEYS = ("code", "torch", "cuda", "cudnn", "cudnn_frontend", "flash_mla", "gpu", "device", "generator")
 #: the kernel libraries: they change no result of a provider that runs none of them
 KERNEL_LIBRARIES = ("cudnn_frontend", "flash_mla")
 #: providers that run none of :data:`KERNEL_LIBRARIES` (the torch kernels; production's unfused path; its fused path
@@ -140,13 +165,17 @@ def _architecture(gpu) -> Optional[str]:
 
 def environment_changes(recorded: Optional[dict], now: dict, provider: Optional[str] = None) -> dict:
     """``{key: [recorded, now]}`` for each :data:`RESULT_KEYS` entry that differs between a run row's ``env`` and
-    this process's (a resume under other code or libraries; empty when none differs or nothing is recorded). The GPU
-    counts by its architecture; the kernel libraries not for a ``provider`` that runs none of them."""
+    this process's (a resume under other code or libraries; empty when none differs or nothing is recorded). Code
+    counts by :func:`code_rev` (``git_rev`` for a run recorded without it), so a commit of baselines or prose alone
+    is the same code; the GPU by its architecture; the kernel libraries not for a ``provider`` that runs none of
+    them."""
     if not isinstance(recorded, dict):
         return {}
     def comparable(key: str, value):
         return _architecture(value) if key == "gpu" else value
 
     keys = [k for k in RESULT_KEYS if k in recorded and not (k in KERNEL_LIBRARIES and provider in NO_KERNEL_LIBRARIES)]
+    if "code" not in recorded and "git_rev" in recorded:  # a run recorded before ``code``: its commit names its code
+        keys.insert(0, "git_rev")
     return {k: [recorded.get(k), now.get(k)] for k in keys
             if comparable(k, recorded.get(k)) != comparable(k, now.get(k))}

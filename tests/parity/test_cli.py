@@ -30,7 +30,7 @@ def test_a_handful_of_smoke_cases_pass_end_to_end(tmp_path, capsys):
     assert got[0]["type"] == "run" and got[-1]["type"] == "end"
     assert got[-1]["counts"] == {"pass": 4, "fail": 0, "error": 0, "unsupported": 0}
     env = got[0]["env"]
-    assert {"python", "torch", "cuda", "cudnn", "cudnn_frontend", "flash_mla", "gpu", "driver", "git_rev",
+    assert {"python", "torch", "cuda", "cudnn", "cudnn_frontend", "flash_mla", "gpu", "driver", "git_rev", "code",
             "host"} <= set(env)
     assert got[0]["impl"] == "fused" and got[0]["against"] == "reference"
     case_rows = [r for r in got if r["type"] == "case"]

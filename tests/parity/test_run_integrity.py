@@ -363,12 +363,13 @@ def test_a_passing_run_prints_no_repro_in_its_report(whole, capsys):
     assert "dsv4-parity run --case" not in out and "Repro" not in out
 
 
-@pytest.mark.parametrize("edit", [{"git_rev": "0000000older"}, {"torch": "2.0.0"}, None],
-                         ids=["other-code", "other-torch", "same-environment"])
+@pytest.mark.parametrize("edit", [{"code": "0000000older"}, {"torch": "2.0.0"}, None, {"git_rev": "0000000older"}],
+                         ids=["other-code", "other-torch", "same-environment", "other-commit-same-code"])
 def test_a_resume_under_another_environment_is_recorded_and_makes_the_run_incomplete(whole, tmp_path, capsys, edit):
     """A run killed, then resumed after the code (or torch) changed, mixes cases of two environments: the resume
     writes a ``resume`` row naming what changed, says so, and the run reads as incomplete (the drift gate fails it,
-    it cannot become a baseline). Control: a resume in the same environment writes none."""
+    it cannot become a baseline). Controls: a resume in the same environment writes none; nor does one at another
+    commit of the same code (a commit of baselines or prose between two calls of one GPU gate)."""
     from reports.baselines import save_baseline
     from reports.errors import ReportError
     from reports.load import load_run
@@ -387,7 +388,7 @@ def test_a_resume_under_another_environment_is_recorded_and_makes_the_run_incomp
     err = capsys.readouterr().err
     resumes = [r for r in rows(out) if r["type"] == "resume"]
     data = load_run(out)
-    if edit is None:
+    if edit is None or "git_rev" in edit:
         assert resumes == [] and data.incompleteness() == [] and "another environment" not in err
         return
     (key, value), = edit.items()
@@ -411,7 +412,7 @@ def test_a_resume_with_nothing_left_to_run_records_no_other_environment(whole, t
     assert main(RUN + ["--out", str(out)]) == 0
     lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
     head = json.loads(lines[0])
-    head["env"]["git_rev"] = "0000000older"
+    head["env"]["code"] = "0000000older"
     (out / "results.jsonl").write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
     assert main(["run", "--out", str(out), "--resume", "--quiet"]) == 0
     assert [r for r in rows(out) if r["type"] == "resume"] == [] and load_run(out).incompleteness() == []
@@ -431,6 +432,10 @@ def test_what_a_resume_counts_as_another_environment():
     assert environment_changes(env, {**env, "flash_mla": None}, "cudnn") == {"flash_mla": ["1.0.0", None]}
     assert environment_changes(env, {**env, "git_rev": "b"}, "unfused") == {"git_rev": ["a", "b"]}
     assert environment_changes(None, env) == {}
+    # a run that records its code is judged by it: another commit of the same code is no change, other code is
+    coded = {**env, "code": "c"}
+    assert environment_changes(coded, {**coded, "git_rev": "b"}) == {}
+    assert environment_changes(coded, {**coded, "code": "d"}) == {"code": ["c", "d"]}
 
 
 def test_the_revision_of_an_uncommitted_tree_names_its_content(tmp_path):
@@ -480,3 +485,42 @@ def test_the_revision_of_an_uncommitted_tree_names_its_content(tmp_path):
     git("config", "core.abbrev", "20")  # diff settings and staging do not rename the same code
     git("add", "a.py")
     assert git_rev(tmp_path) == latin
+
+
+def test_the_code_of_a_run_survives_a_commit_of_prose_or_baselines_alone(tmp_path):
+    """``code_rev`` names the code, not the commit: committing a NOTE or a baseline keeps it (a GPU gate started
+    before such a commit is continued after it); committing code changes it (the control), and uncommitted code
+    carries the same suffix as ``git_rev``."""
+    import subprocess
+
+    from parity.run.environment import code_rev, git_rev
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    first_commit, code = git_rev(tmp_path), code_rev(tmp_path)
+    assert code and len(code) == 12 and "-dirty" not in code
+    (tmp_path / "README.md").write_text("measured\n")
+    (tmp_path / "reports" / "baselines" / "h200" / "x").mkdir(parents=True)
+    (tmp_path / "reports" / "baselines" / "h200" / "x" / "metrics.csv").write_text("case_id\n")
+    git("add", "-A")
+    git("commit", "-qm", "data and prose")
+    assert git_rev(tmp_path) != first_commit and code_rev(tmp_path) == code
+    (tmp_path / "a.py").write_text("x = 2\n")
+    dirty = code_rev(tmp_path)
+    assert dirty.startswith(code + "-dirty.") and dirty.split("-dirty.")[1] == git_rev(tmp_path).split("-dirty.")[1]
+    git("commit", "-qam", "code")
+    assert code_rev(tmp_path) not in (code, dirty) and "-dirty" not in code_rev(tmp_path)
+    (tmp_path / "b.md").write_text("x\n")  # more prose keeps it; a mode change is code
+    git("add", "b.md")
+    git("commit", "-qm", "more prose")
+    after_prose = code_rev(tmp_path)
+    (tmp_path / "a.py").chmod(0o755)
+    git("commit", "-qam", "mode")
+    assert code_rev(tmp_path) != after_prose
