@@ -79,8 +79,10 @@ def compress_sequence(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, a
     score = (tokens @ wgate.t()).view(B, n_comp, ratio, coff * d).to(work)
     score = score + ape.to(work)  # ape [r, coff*d] added per position, before the overlap shift
     if overlap:
-        kv = torch.cat((_with_predecessor(kv[..., :d], 0.0), kv[..., d:]), dim=2)
-        score = torch.cat((_with_predecessor(score[..., :d], float("-inf")), score[..., d:]), dim=2)
+        kv_first, kv_second = kv.split(d, dim=-1)  # channels [:d] and [d:] (a split's backward fills nothing)
+        score_first, score_second = score.split(d, dim=-1)
+        kv = torch.cat((_with_predecessor(kv_first, 0.0), kv_second), dim=2)
+        score = torch.cat((_with_predecessor(score_first, float("-inf")), score_second), dim=2)
     weights = torch.softmax(score, dim=2)  # per channel, over the pooled positions
     pooled = (kv.to(work) * weights).sum(dim=2).to(x.dtype)
 
@@ -122,7 +124,7 @@ def compressor(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], prefix:
     ratio, d = compressor_geometry(prefix, config)
     packed_seq_params = thd.on_host(packed_seq_params)
     segments = thd.segments(packed_seq_params, hidden.shape[0])
-    pieces = [compress_with_params(hidden[s.rows].unsqueeze(0), params, prefix, config, rotate=rotate)[0]
-              for s in segments]
+    pieces = [compress_with_params(rows.unsqueeze(0), params, prefix, config, rotate=rotate)[0]
+              for rows in thd.segment_rows(hidden, segments)]
     return thd.pack_compressed(pieces, packed_seq_params.total_comp_capacity, ratio, segments,
                                like=hidden.new_empty(0, d))

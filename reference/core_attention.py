@@ -144,8 +144,9 @@ def _core_thd(query, kv, hidden, q_latent, params, config: ModelConfig, psp: Pac
     outs, lses, kl_sums, topks, scores = [], [], [], [], []
     width = max(psp.max_seqlen_q, max((s.length for s in segs), default=0)) // INDEXER_RATIO
     pattern = activation.current_pattern() if c.has_indexer else None
-    for b, s in enumerate(segs):
-        res = core_sequence(query[s.rows][None], kv[s.rows][None], hidden[s.rows][None], q_latent[s.rows][None],
+    rows_of = [thd.segment_rows(x, segs) for x in (query, kv, hidden, q_latent)]
+    for b, (s, query_b, kv_b, hidden_b, q_latent_b) in enumerate(zip(segs, *rows_of)):
+        res = core_sequence(query_b[None], kv_b[None], hidden_b[None], q_latent_b[None],
                             params, c, compressed=one(compressed[b]), index_keys=one(index_keys[b]),
                             training=training,
                             topk_indices=None if topk_indices is None else topk_indices[s.rows][None],

@@ -25,7 +25,7 @@ from cases.layout import PackedSeqParams
 from . import activation, thd
 from .compressor import INDEXER_PREFIX, compress_with_params, visible_compressed_count
 from .hadamard import rotate_activation
-from .numerics import compute_dtype, per_block, row_chunks
+from .numerics import compute_dtype, per_block, row_blocks, row_chunks
 from .params import get_param
 from .rope import apply_rope, layer_inv_freq
 
@@ -74,8 +74,9 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float
     work = compute_dtype(q.dtype)
     kf = k.to(work).unsqueeze(1)  # [B, 1, n_comp, dI]
     visible = visible_compressed_count(S, ratio, n_comp, q.device)
-    blocks = [per_block(score_rows, q[:, rows], kf, w[:, rows], scale, visible[rows],
-                        None if pattern is None else pattern.active[:, rows], pattern) for rows in row_chunks(S)]
+    blocks = [per_block(score_rows, q_rows, kf, w_rows, scale, visible[rows],
+                        None if pattern is None else pattern.active[:, rows], pattern)
+              for rows, q_rows, w_rows in zip(row_chunks(S), row_blocks(q), row_blocks(w))]
     if not blocks:
         return q.new_zeros((B, 0, n_comp), dtype=work)
     return torch.cat(blocks, dim=1)

@@ -25,7 +25,7 @@ from cases.config import INDEXER_RATIO, ModelConfig
 
 from .activation import log_softmax_at
 from .compressor import visible_compressed_count
-from .numerics import FP32_TINY, compute_dtype, per_block, row_chunks
+from .numerics import FP32_TINY, compute_dtype, per_block, row_blocks, row_chunks
 from .sparse_attention import gather_rows, window_indices
 
 
@@ -136,14 +136,14 @@ def indexer_kl_rows(index_scores: torch.Tensor, topk: Optional[torch.Tensor], qu
     lse_nc = window_sink_lse(query, kv, attn_sink, config.csa_window_size, scale)
     visible = visible_compressed_count(S, INDEXER_RATIO, n_comp, query.device)
     blocks = []
-    for rows in row_chunks(S):
+    for rows, scores in zip(row_chunks(S), row_blocks(index_scores)):
         at = None if at_scores is None else at_scores[:, rows]
         if topk is None:
-            blocks.append(per_block(dense_kl_rows, index_scores[:, rows], query[:, rows], compressed, lse_nc[:, rows],
+            blocks.append(per_block(dense_kl_rows, scores, query[:, rows], compressed, lse_nc[:, rows],
                                     visible[rows], scale, at))
             continue
         target, valid = block_teacher(topk[:, rows], query[:, rows], compressed, lse_nc[:, rows], visible[rows], scale)
-        blocks.append(per_block(kl_rows, index_scores[:, rows], topk[:, rows], target, valid, at))
+        blocks.append(per_block(kl_rows, scores, topk[:, rows], target, valid, at))
     return torch.cat(blocks, dim=1)
 
 

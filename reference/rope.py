@@ -80,11 +80,13 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     for ``x = [B, S, n, d]``). Returns a new tensor of the shape and dtype of ``x``.
     """
     rope_dim = 2 * inv_freq.numel()
-    nope, u = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim:]
+    # split / unbind, not slices: backward then joins the pieces' gradients once instead of zero-filling a copy of x
+    # for each slice (same values)
+    nope, u = x.split([x.shape[-1] - rope_dim, rope_dim], dim=-1)
     angles = positions.to(device=x.device, dtype=torch.float64).unsqueeze(-1) * inv_freq.to(x.device)
     cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
     if inverse:
         sin = -sin
-    even, odd = u[..., 0::2], u[..., 1::2]
+    even, odd = u.unflatten(-1, (-1, 2)).unbind(-1)  # u[..., 0::2], u[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
     return torch.cat((nope, rotated), dim=-1)

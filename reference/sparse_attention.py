@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .compressor import visible_compressed_count
-from .numerics import compute_dtype, per_block, row_chunks
+from .numerics import compute_dtype, per_block, row_blocks, row_chunks
 
 
 def window_indices(seq_len: int, window: int, device=None) -> torch.Tensor:
@@ -153,8 +153,8 @@ def sparse_attention(query: torch.Tensor, kv_full: torch.Tensor, indices: torch.
     work = compute_dtype(query.dtype)
     sink = attn_sink.to(work).view(1, 1, n, 1)
     outs, lses = [], []
-    for rows in row_chunks(S):
-        out, lse = per_block(attend_rows, query[:, rows], kv_full, indices[:, rows], sink, softmax_scale)
+    for rows, query_rows in zip(row_chunks(S), row_blocks(query)):
+        out, lse = per_block(attend_rows, query_rows, kv_full, indices[:, rows], sink, softmax_scale)
         outs.append(out)
         lses.append(lse)
     if not outs:

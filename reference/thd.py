@@ -97,6 +97,18 @@ def num_real_rows(segs: Sequence[Segment]) -> int:
     return sum(s.real_length for s in segs)
 
 
+def segment_rows(packed: torch.Tensor, segs: Sequence[Segment]) -> list[torch.Tensor]:
+    """Each segment's rows of ``packed [T, ...]`` (views, ``packed[s.rows]``), cut by one ``split``: for a tensor that
+    carries a gradient, backward joins the segments' gradients in one ``cat``, where a slice per segment makes each
+    segment's gradient a zero-filled copy of the whole packed tensor and adds them up. Segments that do not tile
+    ``[0, end)`` in order are sliced one by one (same values either way)."""
+    ends = [s.start + s.length for s in segs]
+    if [s.start for s in segs] != [0] + ends[:-1] or (ends and ends[-1] > packed.shape[0]):
+        return [packed[s.rows] for s in segs]
+    tail = packed.shape[0] - (ends[-1] if ends else 0)
+    return list(packed.split([s.length for s in segs] + [tail], dim=0))[:len(segs)]
+
+
 def cu_seqlens_compressed(segs: Sequence[Segment], ratio: int) -> list[int]:
     """``[0, cumsum(L_b // ratio)]`` over the padded segment lengths."""
     out = [0]
@@ -137,6 +149,10 @@ def pack_compressed(pieces: Sequence[torch.Tensor], capacity: Optional[int], rat
 
 
 def segment_compressed(packed: torch.Tensor, segs: Sequence[Segment], ratio: int) -> list[torch.Tensor]:
-    """Split a packed compressed buffer back into each segment's rows (ignoring the capacity tail)."""
+    """Split a packed compressed buffer back into each segment's rows (ignoring the capacity tail); views, cut by one
+    ``split`` (:func:`segment_rows`)."""
     cu = cu_seqlens_compressed(segs, ratio)
-    return [packed[cu[b]: cu[b + 1]] for b in range(len(segs))]
+    if packed.shape[0] < cu[-1]:  # too short for its segments: slices (their short pieces are what callers report)
+        return [packed[cu[b]: cu[b + 1]] for b in range(len(segs))]
+    sizes = [cu[b + 1] - cu[b] for b in range(len(segs))]
+    return list(packed.split(sizes + [packed.shape[0] - cu[-1]], dim=0))[:len(segs)]
