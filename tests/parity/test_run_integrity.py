@@ -438,23 +438,29 @@ def test_what_a_resume_counts_as_another_environment():
     assert environment_changes(coded, {**coded, "code": "d"}) == {"code": ["c", "d"]}
 
 
-def test_the_revision_of_an_uncommitted_tree_names_its_content(tmp_path):
-    """``git_rev`` of a dirty tree carries a hash of the change (tracked diff and untracked files), so a resume
-    under other uncommitted code of the same commit counts as another environment; a clean tree is the bare commit
-    (the control), and the same change gives the same name."""
+def _repo_with_one_commit(path):
+    """A git repository at ``path`` with ``a.py`` (``x = 1``) committed; returns ``git(*args)`` run there."""
     import subprocess
 
-    from parity.run.environment import git_rev
-
     def git(*args):
-        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+        subprocess.run(["git", *args], cwd=path, check=True, capture_output=True)
 
     git("init", "-q")
     git("config", "user.email", "t@example.com")
     git("config", "user.name", "t")
-    (tmp_path / "a.py").write_text("x = 1\n")
+    (path / "a.py").write_text("x = 1\n")
     git("add", "a.py")
     git("commit", "-qm", "one")
+    return git
+
+
+def test_the_revision_of_an_uncommitted_tree_names_its_content(tmp_path):
+    """``git_rev`` of a dirty tree carries a hash of the change (tracked diff and untracked files), so a resume
+    under other uncommitted code of the same commit counts as another environment; a clean tree is the bare commit
+    (the control), and the same change gives the same name."""
+    from parity.run.environment import git_rev
+
+    git = _repo_with_one_commit(tmp_path)
     clean = git_rev(tmp_path)
     assert clean and "-dirty" not in clean
     (tmp_path / "a.py").write_text("x = 2\n")
@@ -491,19 +497,9 @@ def test_the_code_of_a_run_survives_a_commit_of_prose_or_baselines_alone(tmp_pat
     """``code_rev`` names the code, not the commit: committing a NOTE or a baseline keeps it (a GPU gate started
     before such a commit is continued after it); committing code changes it (the control), and uncommitted code
     carries the same suffix as ``git_rev``."""
-    import subprocess
-
     from parity.run.environment import code_rev, git_rev
 
-    def git(*args):
-        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
-
-    git("init", "-q")
-    git("config", "user.email", "t@example.com")
-    git("config", "user.name", "t")
-    (tmp_path / "a.py").write_text("x = 1\n")
-    git("add", "a.py")
-    git("commit", "-qm", "one")
+    git = _repo_with_one_commit(tmp_path)
     first_commit, code = git_rev(tmp_path), code_rev(tmp_path)
     assert code and len(code) == 12 and "-dirty" not in code
     (tmp_path / "README.md").write_text("measured\n")
