@@ -97,16 +97,26 @@ def num_real_rows(segs: Sequence[Segment]) -> int:
     return sum(s.real_length for s in segs)
 
 
+def _pieces_from_row_0(packed: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Consecutive views of ``sizes`` rows of ``packed`` from row 0 (the rows after them left out), cut by one
+    ``split``: for a tensor that carries a gradient, backward joins the pieces' gradients in one ``cat``, where a slice
+    per piece makes each piece's gradient a zero-filled copy of the whole tensor and adds them up. Pieces that run
+    past ``packed``'s rows are sliced one by one (their short pieces are what callers report)."""
+    end = sum(sizes)
+    if end > packed.shape[0]:
+        starts = [sum(sizes[:b]) for b in range(len(sizes))]
+        return [packed[start: start + n] for start, n in zip(starts, sizes)]
+    return list(packed.split(list(sizes) + [packed.shape[0] - end], dim=0))[:len(sizes)]
+
+
 def segment_rows(packed: torch.Tensor, segs: Sequence[Segment]) -> list[torch.Tensor]:
-    """Each segment's rows of ``packed [T, ...]`` (views, ``packed[s.rows]``), cut by one ``split``: for a tensor that
-    carries a gradient, backward joins the segments' gradients in one ``cat``, where a slice per segment makes each
-    segment's gradient a zero-filled copy of the whole packed tensor and adds them up. Segments that do not tile
-    ``[0, end)`` in order are sliced one by one (same values either way)."""
+    """Each segment's rows of ``packed [T, ...]`` (views, ``packed[s.rows]``), cut by one ``split``
+    (:func:`_pieces_from_row_0`). Segments that do not tile ``[0, end)`` in order are sliced one by one (same
+    values either way)."""
     ends = [s.start + s.length for s in segs]
-    if [s.start for s in segs] != [0] + ends[:-1] or (ends and ends[-1] > packed.shape[0]):
+    if [s.start for s in segs] != [0] + ends[:-1]:
         return [packed[s.rows] for s in segs]
-    tail = packed.shape[0] - (ends[-1] if ends else 0)
-    return list(packed.split([s.length for s in segs] + [tail], dim=0))[:len(segs)]
+    return _pieces_from_row_0(packed, [s.length for s in segs])
 
 
 def cu_seqlens_compressed(segs: Sequence[Segment], ratio: int) -> list[int]:
@@ -150,9 +160,6 @@ def pack_compressed(pieces: Sequence[torch.Tensor], capacity: Optional[int], rat
 
 def segment_compressed(packed: torch.Tensor, segs: Sequence[Segment], ratio: int) -> list[torch.Tensor]:
     """Split a packed compressed buffer back into each segment's rows (ignoring the capacity tail); views, cut by one
-    ``split`` (:func:`segment_rows`)."""
+    ``split`` (:func:`_pieces_from_row_0`)."""
     cu = cu_seqlens_compressed(segs, ratio)
-    if packed.shape[0] < cu[-1]:  # too short for its segments: slices (their short pieces are what callers report)
-        return [packed[cu[b]: cu[b + 1]] for b in range(len(segs))]
-    sizes = [cu[b + 1] - cu[b] for b in range(len(segs))]
-    return list(packed.split(sizes + [packed.shape[0] - cu[-1]], dim=0))[:len(segs)]
+    return _pieces_from_row_0(packed, [cu[b + 1] - cu[b] for b in range(len(segs))])
