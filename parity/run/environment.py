@@ -51,14 +51,18 @@ def _git_paths(args: list[str], repo: Path) -> Optional[list[bytes]]:
     return [p for p in out.stdout.split(b"\0") if p] if out.returncode == 0 else None
 
 
-#: what changes no case's result, left out of an uncommitted tree's hash (:func:`git_rev`): the baselines the drift
-#: gate reads (a GPU run records and restores them mid-gate, ``.ci/h200-pr-gate.sh``) and prose
-NOT_CODE = (":(exclude)reports/baselines", ":(exclude)*.md")
+#: what changes no case's result, left out of the code's hashes (:func:`code_rev`, the ``-dirty`` suffix): the
+#: baselines the drift gate reads (a GPU run records and restores them mid-gate, ``.ci/h200-pr-gate.sh``) and prose
+NOT_CODE_DIRS = ("reports/baselines",)
+NOT_CODE_SUFFIXES = (".md",)
+#: the same as git exclude pathspecs
+NOT_CODE = tuple(f":(exclude){d}" for d in NOT_CODE_DIRS) + tuple(f":(exclude)*{s}" for s in NOT_CODE_SUFFIXES)
 
 
 def _is_not_code(path: bytes) -> bool:
     """:data:`NOT_CODE` for one repository path (``git ls-tree`` takes no exclude pathspecs)."""
-    return path.startswith(b"reports/baselines/") or path.endswith(b".md")
+    return (path.startswith(tuple(os.fsencode(d) + b"/" for d in NOT_CODE_DIRS))
+            or path.endswith(tuple(os.fsencode(s) for s in NOT_CODE_SUFFIXES)))
 
 
 #: untracked files that count as code: Python modules (a run's own outputs, logs and a ``.venv`` link do not)
@@ -77,7 +81,7 @@ def _content(path: Path) -> bytes:
         return b"unreadable"
 
 
-def _uncommitted_code(repo: Path) -> Optional[str]:
+def _uncommitted_code(repo: Path) -> str:
     """``""`` when the code equals ``HEAD``'s; else ``-dirty.<hash>``: the first 8 hex digits of a SHA-256 over the
     path and current content of every tracked file that differs from ``HEAD`` (staged or not) and every untracked,
     not ignored :data:`UNTRACKED_CODE` file, :data:`NOT_CODE` left out; ``-dirty.unknown`` where git could not list
@@ -96,14 +100,17 @@ def _uncommitted_code(repo: Path) -> Optional[str]:
     return f"-dirty.{digest.hexdigest()[:8]}"
 
 
-def git_rev(repo: Path = REPO) -> Optional[str]:
-    """``HEAD`` commit, with :func:`_uncommitted_code`'s ``-dirty.<hash>`` when the code differs from it: what a
-    reader looks up (reports name it). Two runs of one commit with other uncommitted code differ here."""
+def git_rev(repo: Path = REPO, uncommitted: Optional[str] = None) -> Optional[str]:
+    """``HEAD`` commit, with :func:`_uncommitted_code`'s ``-dirty.<hash>`` when the code differs from it (computed
+    here unless the caller hands it over): what a reader looks up (reports name it). Two runs of one commit with other
+    uncommitted code differ here."""
     rev = _run(["git", "rev-parse", "--short=12", "HEAD"], repo)
-    return None if rev is None else rev + _uncommitted_code(repo)
+    if rev is None:
+        return None
+    return rev + (_uncommitted_code(repo) if uncommitted is None else uncommitted)
 
 
-def code_rev(repo: Path = REPO) -> Optional[str]:
+def code_rev(repo: Path = REPO, uncommitted: Optional[str] = None) -> Optional[str]:
     """The code a run ran, whatever commit holds it: the first 12 hex digits of a SHA-256 over ``HEAD``'s tracked
     files outside :data:`NOT_CODE` (mode, blob id, path each), with :func:`_uncommitted_code`'s suffix. A commit
     that changes only baselines or prose keeps it, so a gate started before such a commit is continued after it as
@@ -114,7 +121,7 @@ def code_rev(repo: Path = REPO) -> Optional[str]:
         return None
     code = [entry for entry in listing if not _is_not_code(entry.split(b"\t", 1)[-1])]
     digest = hashlib.sha256(b"\0".join(code)).hexdigest()[:12]
-    return digest + _uncommitted_code(repo)
+    return digest + (_uncommitted_code(repo) if uncommitted is None else uncommitted)
 
 
 def environment(device: str = "cpu") -> dict:
@@ -127,6 +134,7 @@ def environment(device: str = "cpu") -> dict:
         driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
         driver = driver.splitlines()[0] if driver else None
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    uncommitted = _uncommitted_code(REPO)  # read and hashed once for both names of the code
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -136,8 +144,8 @@ def environment(device: str = "cpu") -> dict:
         "flash_mla": _dist_version("sgl-flash-mla", "flash-mla", "flash_mla"),
         "gpu": gpu,
         "driver": driver,
-        "git_rev": git_rev(),
-        "code": code_rev(),
+        "git_rev": git_rev(uncommitted=uncommitted),
+        "code": code_rev(uncommitted=uncommitted),
         "host": platform.node(),
         "device": device,
         "generator": GENERATOR,
