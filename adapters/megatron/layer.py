@@ -28,6 +28,7 @@ from . import cp, recorders
 from .providers import current, run_context
 
 CORE_PREFIX = "core_attention."
+INDEXER_PREFIX = "core_attention.indexer."
 
 
 class MegatronOutput(AttentionOutput):
@@ -165,3 +166,47 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
                                   {"x": x, "qr": qr, "packed_seq_params": psp}, strict=False)
     out = out.reshape(lead[0], n, d) if packed else out.reshape(lead[1], lead[0], n, d).transpose(0, 1)
     return _output(out, record, config, packed_seq_params, lead)
+
+
+def _visible_compressed(rows: int, ratio: int, device) -> torch.Tensor:
+    """The SBHD indexer's additive causal mask ``[S, S // r]`` float32: 0 where compressed entry ``j`` is visible to
+    row ``t`` (``j < (t + 1) // r``, spec §3), ``-inf`` elsewhere."""
+    t = torch.arange(rows, device=device).unsqueeze(1)
+    j = torch.arange(rows // ratio, device=device).unsqueeze(0)
+    return torch.zeros(rows, rows // ratio, dtype=torch.float32, device=device).masked_fill_(j >= (t + 1) // ratio,
+                                                                                            float("-inf"))
+
+
+def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,
+            packed_seq_params: Optional[PackedSeqParams] = None) -> tuple:
+    """Production's lightning indexer alone (``core_attention.indexer``, its eval forward) on ``hidden`` and
+    ``q_latent`` BSHD ``[B, S, ..]`` / THD ``[T, ..]`` -> ``(index_scores, topk_indices)`` in the contract's layout,
+    read by the recorders from the same production calls the core forward's eval path makes (``index_scores``
+    ``[B, S, n_comp]`` / ``[T, width]``, masked entries ``-inf``; ``None`` where production computes none).
+
+    Only on the ``unfused`` provider, whose eval core forward calls this module itself (the fused paths score with
+    the kernels: there this raises :class:`CaseError`). BSHD gets the causal mask production's core forward hands
+    the module (visible ``j < (t + 1) // r``); THD gets none (production's row bounds). No gradient."""
+    if current() != "unfused" or cp.size() > 1:
+        raise CaseError("indexer", f"production's indexer alone runs on the unfused provider at CP 1 only "
+                                   f"(provider {current()}, CP {cp.size()})")
+    if not config.has_indexer:
+        raise CaseError("indexer", "the case's layer has no indexer")
+    packed = packed_seq_params is not None
+    lead = tuple(hidden.shape[:1] if packed else hidden.shape[:2])
+    own = {name[len(INDEXER_PREFIX):]: t for name, t in params.items() if name.startswith(INDEXER_PREFIX)}
+    with torch.no_grad(), run_context(current(), config, hidden, False) as (mg, built):
+        module = built.module.core_attention.indexer
+        _check_covered(built, own, INDEXER_PREFIX)
+        if packed:
+            x, qr, mask = hidden.unsqueeze(1), q_latent.unsqueeze(1), None
+            psp = _megatron_psp(mg, packed_seq_params, hidden.shape[0])
+        else:
+            x, qr, psp = hidden.transpose(0, 1), q_latent.transpose(0, 1), None
+            mask = _visible_compressed(hidden.shape[1], config.compress_ratio, hidden.device)
+            mask = mask.unsqueeze(0).expand(hidden.shape[0], -1, -1)
+        with recorders.recording(mg) as record:
+            functional_call(module, own, (x, qr), {"mask": mask, "packed_seq_params": psp}, strict=False)
+    topk, scores, _ = _indexer_outputs(record, config, packed_seq_params, lead)
+    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    return (None if scores is None else scores.to(wide)), topk
