@@ -8,6 +8,7 @@ Public API (identical names and signatures in ``reference``; ARCHITECTURE.md)::
                    topk_indices=None)
     compressor(hidden, params, prefix, config, packed_seq_params=None, *, rotate=False)
     indexer(hidden, q_latent, params, config, packed_seq_params=None)
+    query_latent(hidden, params, config, packed_seq_params=None)
 
 Kernel providers are chosen with a context manager, never with extra arguments::
 
@@ -34,10 +35,10 @@ passed down), ``index_maps`` and ``thd`` (index and layout plumbing), ``sparse_a
 
 from .core_attention import compressor, core_attention
 from .indexer import indexer
-from .layer import attention_layer
+from .layer import attention_layer, query_latent
 from .plan import (BackendError, BackendUnavailable, Plan, StageUnsupported, available_providers, current_plan,
                    executed, observe_kernels, register_provider, topk_tie_rule, use_backend)
 
 __all__ = ["BackendError", "BackendUnavailable", "Plan", "StageUnsupported", "attention_layer", "available_providers",
            "compressor", "core_attention", "current_plan", "executed", "indexer", "observe_kernels",
-           "register_provider", "topk_tie_rule", "use_backend"]
+           "query_latent", "register_provider", "topk_tie_rule", "use_backend"]

@@ -22,6 +22,19 @@ from .thd import ThdMeta
 Tensor = torch.Tensor
 
 
+def _query_latent(x: Tensor, params: Mapping[str, Tensor], eps: float) -> Tensor:
+    return ops.rms_norm(ops.linear(x, params["linear_q_down_proj.weight"]), params["q_layernorm.weight"], eps)
+
+
+def query_latent(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,
+                 packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+    """The layer's query latent ``qr`` ``[B, S, Rq]`` / ``[T, Rq]``, computed as :func:`attention_layer` computes it
+    (BSHD in production's SBHD, returned as a transposed view): what the layer hands its core attention and indexer."""
+    if packed_seq_params is not None:
+        return _query_latent(hidden, params, config.layernorm_epsilon)
+    return _query_latent(hidden.transpose(0, 1), params, config.layernorm_epsilon).transpose(0, 1)
+
+
 def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,
                     packed_seq_params: Optional[PackedSeqParams] = None, *, training: bool = True,
                     topk_indices: Optional[torch.Tensor] = None) -> AttentionOutput:
@@ -45,7 +58,7 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
     n, d, eps = c.num_attention_heads, c.v_head_dim, c.layernorm_epsilon
     head_pos = rows_pos.unsqueeze(-1)  # one position per row, shared by the heads
 
-    qr = ops.rms_norm(ops.linear(x, params["linear_q_down_proj.weight"]), params["q_layernorm.weight"], eps)
+    qr = _query_latent(x, params, eps)
     q = ops.linear(qr, params["linear_q_up_proj.weight"])
     q = ops.rms_norm(q.view(q.shape[:-1] + (n, d)), None, eps)
     kv = ops.rms_norm(ops.linear(x, params["linear_kv_proj.weight"]), params["kv_layernorm.weight"], eps)

@@ -12,6 +12,7 @@ Public API (identical names and signatures in ``fused``; see ARCHITECTURE.md)::
                    topk_indices=None)
     compressor(hidden, params, prefix, config, packed_seq_params=None, *, rotate=False)
     indexer(hidden, q_latent, params, config, packed_seq_params=None)
+    query_latent(hidden, params, config, packed_seq_params=None)
 
 Beyond it, ``use_activation_pattern(active, window, scores=None)`` (parity's sign- and score-split hook,
 :mod:`reference.activation`).
@@ -23,8 +24,8 @@ from .activation import use_activation_pattern
 from .compressor import compressor
 from .core_attention import core_attention
 from .indexer import indexer
-from .layer import attention_layer
+from .layer import attention_layer, query_latent
 
 TOPK_TIE_RULE = "lower-index"
 
-__all__ = ["attention_layer", "compressor", "core_attention", "indexer"]  # the mirrored API (not the sign-split hook; TOPK_TIE_RULE: a declaration)
+__all__ = ["attention_layer", "compressor", "core_attention", "indexer", "query_latent"]  # the mirrored API (not the sign-split hook; TOPK_TIE_RULE: a declaration)

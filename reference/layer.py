@@ -29,6 +29,15 @@ from .params import get_param
 from .rope import apply_rope, layer_inv_freq
 
 
+def query_latent(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,
+                 packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+    """Public API (ARCHITECTURE.md): the layer's query latent ``qr = RMSNorm_q(x @ Wq_down^T)`` ``[B, S, Rq]`` /
+    ``[T, Rq]`` — what :func:`attention_layer` hands its core attention (and the indexer) as ``q_latent``."""
+    c = config
+    return rms_norm(hidden @ get_param(params, "linear_q_down_proj.weight", (c.q_lora_rank, c.hidden_size)).t(),
+                    get_param(params, "q_layernorm.weight", (c.q_lora_rank,)), c.layernorm_epsilon)
+
+
 def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,
                     packed_seq_params: Optional[PackedSeqParams] = None, *, training: bool = True,
                     topk_indices: Optional[torch.Tensor] = None) -> AttentionOutput:
@@ -56,8 +65,7 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
     inv_freq = layer_inv_freq(c, hidden.device)
     eps = c.layernorm_epsilon
 
-    q_latent = rms_norm(hidden @ get_param(params, "linear_q_down_proj.weight", (Rq, Hd)).t(),
-                        get_param(params, "q_layernorm.weight", (Rq,)), eps)
+    q_latent = query_latent(hidden, params, c, packed_seq_params)
     query = (q_latent @ get_param(params, "linear_q_up_proj.weight", (n * D, Rq)).t())
     query = head_rms_norm(query.view(*query.shape[:-1], n, D), eps)
     kv = rms_norm(hidden @ get_param(params, "linear_kv_proj.weight", (D, Hd)).t(),

@@ -23,7 +23,7 @@ FORBIDDEN = {
 }
 #: (package, module prefix) pairs allowed although the package is not: adapters may use fused's kernel providers.
 ALLOWED_SUBMODULES = {("adapters", "fused.kernels")}
-MIRRORED = ("attention_layer", "core_attention", "compressor", "indexer")
+MIRRORED = ("attention_layer", "core_attention", "compressor", "indexer", "query_latent")
 
 
 def _dynamic_target(node: ast.Call) -> str | None:

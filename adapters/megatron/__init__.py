@@ -3,8 +3,8 @@ test, with no edit of Megatron's files.
 
 Public API (ARCHITECTURE.md): ``attention_layer``, ``core_attention`` (production's layer / core attention; every
 output field is production's own tensor, read by recorders); ``indexer`` (production's lightning indexer module
-alone, on the ``unfused`` provider: what sign-split observes a core case's heads through). ``compressor`` is not
-provided.
+alone, on the ``unfused`` provider) and ``query_latent`` (the ``qr`` production's layer hands its core attention):
+what sign-split observes a case's indexer heads through. ``compressor`` is not provided.
 
 Harness hooks (``parity/impls.py``): ``use_backend(provider=..., require=...)`` and ``available_providers()`` —
 providers ``unfused`` / ``emulated`` / ``cudnn`` (:mod:`adapters.megatron.providers`); ``observe_kernels(observer)``
@@ -26,7 +26,7 @@ Where Megatron comes from: ``DSV4_MEGATRON`` (set by ``--megatron PATH``) or the
 from .cp import layout as context_parallel_layout
 from .cp import size as context_parallel_size
 from .cp import use_context_parallel
-from .layer import attention_layer, core_attention, indexer
+from .layer import attention_layer, core_attention, indexer, query_latent
 from .kernel_calls import observe_kernels
 from .providers import available_providers, describe, gate_paths, provider_name, use_backend
 from .source import MegatronSourceError
@@ -82,7 +82,7 @@ def precision(case) -> str:
 __all__ = ["MegatronSourceError", "TOPK_TIE_RULE", "attention_layer", "available_providers", "check_ready",
            "context_parallel_layout", "context_parallel_size", "core_attention", "describe", "gate_paths", "indexer",
            "known_deviations", "observe_kernels",
-           "precision", "provider_name", "raised_in_own_code", "use_backend", "use_context_parallel"]
+           "precision", "provider_name", "query_latent", "raised_in_own_code", "use_backend", "use_context_parallel"]
 
 
 def known_deviations() -> list:

@@ -210,3 +210,39 @@ def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, t
     topk, scores, _ = _indexer_outputs(record, config, packed_seq_params, lead)
     wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     return (None if scores is None else scores.to(wide)), topk
+
+
+class _QueryLatentSeen(Exception):
+    """Raised by :func:`query_latent`'s hook once production handed its core attention ``qr``: the rest of the
+    forward is not needed."""
+
+
+def query_latent(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,
+                 packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+    """Production's own query latent ``qr`` for ``hidden`` BSHD ``[B, S, Hd]`` / THD ``[T, Hd]`` -> ``[B, S, Rq]`` /
+    ``[T, Rq]``: the ``qr`` its layer's eval forward hands ``core_attention`` (read by a forward pre-hook, which then
+    stops the forward: nothing after the projections runs). Any provider; CP 1 only. No gradient."""
+    if cp.size() > 1:
+        raise CaseError("q_latent", f"production's query latent is read at CP 1 only (CP {cp.size()})")
+    packed = packed_seq_params is not None
+    seen = {}
+
+    def capture(_module, _args, kwargs):
+        seen["qr"] = kwargs["qr"].detach()
+        raise _QueryLatentSeen
+
+    with torch.no_grad(), run_context(current(), config, hidden, False) as (mg, built):
+        x = hidden.unsqueeze(1) if packed else hidden.transpose(0, 1)
+        psp = _megatron_psp(mg, packed_seq_params, hidden.shape[0]) if packed else None
+        _check_covered(built, params)
+        handle = built.module.core_attention.register_forward_pre_hook(capture, with_kwargs=True)
+        try:
+            functional_call(built.module, dict(params), (x, None), {"packed_seq_params": psp}, strict=False)
+        except _QueryLatentSeen:
+            pass
+        finally:
+            handle.remove()
+    if "qr" not in seen:
+        raise CaseError("q_latent", "production's layer never called its core attention")
+    qr = seen["qr"]
+    return qr.reshape(hidden.shape[0], -1) if packed else qr.transpose(0, 1)

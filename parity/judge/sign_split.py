@@ -12,11 +12,14 @@ but row ``h`` set to 0. Its ``index_scores`` are then ``wI[t, h] · σI · ReLU(
 implementation's own ``qI`` / ``kI`` (its own query latent in layer scope), so ``score != 0`` is exactly its
 ``qI[t, h]·kI[s] > 0`` wherever ``wI[t, h] != 0`` (where it is 0 the product sends no gradient anyway).
 
-A core-scope case whose implementation also exposes the public ``indexer`` (same signature as the reference's)
-is probed through it, since the scores are the indexer's alone and the attention the core forward also runs is
-most of its work: head 0 alone and then every head at once are observed both ways first, and only if both pairs of
-``index_scores`` agree bit for bit do the other heads go through ``indexer``; otherwise (or if ``indexer`` raises)
-the core forward observes them. ``Pattern.probe`` names the entry point that observed heads 1...
+A case whose implementation also exposes the public ``indexer`` (same signature as the reference's) is probed
+through it, since the scores are the indexer's alone and the attention the case's forward also runs is most of its
+work. A core case hands it its own ``q_latent``; a layer case the implementation's own, from its public
+``query_latent`` (what its layer hands the core attention; an implementation without it keeps the layer forward).
+Head 0 alone and then every head at once are observed both ways first, and only if both pairs of
+``index_scores`` agree bit for bit do the other heads go through ``indexer``; otherwise (or if ``indexer`` or
+``query_latent`` raises) the case's forward observes them. ``Pattern.probe`` names the entry point that observed
+heads 1...
 
 The reference adopts the pattern only where its own product is within ``window_ulps`` × the case dtype's epsilon
 (× the dot's rounding scale) of 0 (:mod:`reference.activation`), so a wrong pattern cannot hide a real error.
@@ -33,6 +36,7 @@ scale error of every indexer gradient, and the noise run's draw set the floor (g
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Optional
 
@@ -83,9 +87,12 @@ def _eval_scores(api, case: Case, tensors: CaseTensors, params: dict) -> torch.T
     return out.index_scores
 
 
-def _indexer_scores(api, case: Case, tensors: CaseTensors, params: dict) -> torch.Tensor:
+def _indexer_scores(api, case: Case, tensors: CaseTensors, params: dict, q_latent=None) -> torch.Tensor:
+    """The public ``indexer``'s scores on the case's ``hidden`` and ``q_latent`` (a core case's own input, else the
+    one given: a layer case's, from the implementation's ``query_latent``)."""
     inputs = tensors.inputs
-    return api.indexer(inputs["hidden"], inputs["q_latent"], params, case.config, tensors.packed_seq_params)[0]
+    q_latent = inputs["q_latent"] if q_latent is None else q_latent
+    return api.indexer(inputs["hidden"], q_latent, params, case.config, tensors.packed_seq_params)[0]
 
 
 def same_bits(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
@@ -94,27 +101,39 @@ def same_bits(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
             and torch.equal(a, b))
 
 
-def entry_points(api, case: Case) -> tuple:
-    """``(name, scores_fn)`` of the entry point that observes heads after the first: the public ``indexer`` for a core
-    case of an implementation that has one, else the case's own entry point."""
-    if case.scope == "core" and callable(getattr(api, "indexer", None)):
+def entry_points(api, case: Case, tensors: CaseTensors) -> tuple:
+    """``(name, scores_fn)`` of the entry point that observes heads after the first: the public ``indexer`` where the
+    implementation has one (at layer scope, with its own ``query_latent`` too), else the case's own entry point. A
+    layer case's ``scores_fn`` carries the implementation's query latent, read here once (call inside the
+    implementation's context; a ``query_latent`` that raises leaves the layer forward)."""
+    if not callable(getattr(api, "indexer", None)):
+        return entry_point(case), _eval_scores
+    if case.scope == "core":
         return "indexer", _indexer_scores
-    return entry_point(case), _eval_scores
+    if not callable(getattr(api, "query_latent", None)):
+        return entry_point(case), _eval_scores
+    try:
+        q_latent = api.query_latent(tensors.inputs["hidden"], dict(tensors.params), case.config,
+                                    tensors.packed_seq_params)
+    except Exception:  # noqa: BLE001 — an optional entry point that fails is not used; the layer forward decides
+        return entry_point(case), _eval_scores
+    return "indexer", functools.partial(_indexer_scores, q_latent=q_latent)
 
 
 def entry_point(case: Case) -> str:
     return "attention_layer" if case.scope == "layer" else "core_attention"
 
 
-def _indexer_agrees(api, case: Case, tensors: CaseTensors, params_head0: dict, head0: torch.Tensor) -> bool:
-    """Whether the public ``indexer`` gives the core forward's ``index_scores`` bit for bit, with head 0 alone
-    (``head0``: the core forward's) and with every head's weights (one more core forward): the first shows each
+def _indexer_agrees(api, case: Case, tensors: CaseTensors, scores_of, params_head0: dict,
+                    head0: torch.Tensor) -> bool:
+    """Whether the public ``indexer`` (``scores_of``) gives the case forward's ``index_scores`` bit for bit, with head
+    0 alone (``head0``: the forward's) and with every head's weights (one more forward): the first shows each
     product of a head, the second every head's query and weight at once. An ``indexer`` that raises, or returns
     something else, does not agree."""
     try:
-        if not same_bits(_indexer_scores(api, case, tensors, params_head0), head0):
+        if not same_bits(scores_of(api, case, tensors, params_head0), head0):
             return False
-        return same_bits(_indexer_scores(api, case, tensors, dict(tensors.params)),
+        return same_bits(scores_of(api, case, tensors, dict(tensors.params)),
                          _eval_scores(api, case, tensors, dict(tensors.params)))
     except Exception:  # noqa: BLE001 — an optional entry point that fails is not used; the core forward decides
         return False
@@ -129,9 +148,9 @@ def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], Context
     sequence has a compressed row: nothing to split)."""
     heads = case.config.dsa_indexer_n_heads
     weights = tensors.params[WEIGHTS]
-    probe, scores_of = entry_points(api, case)
     per_head = []
     with torch.no_grad(), context():
+        probe, scores_of = entry_points(api, case, tensors)
         for h in range(heads):
             isolated = torch.zeros_like(weights)
             isolated[h] = weights[h]
@@ -142,7 +161,8 @@ def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], Context
                 scores = _eval_scores(api, case, tensors, params)
                 if scores is None or scores.numel() * heads > settings.max_elements:
                     return None
-                if scores_of is not _eval_scores and not _indexer_agrees(api, case, tensors, params, scores):
+                if scores_of is not _eval_scores and not _indexer_agrees(api, case, tensors, scores_of, params,
+                                                                             scores):
                     probe, scores_of = entry_point(case), _eval_scores
             elif scores_of is not _eval_scores:
                 try:

@@ -17,8 +17,8 @@ from parity.judge import sign_split
 from tests.parity.test_sign_split_probe import Counting, _rows
 
 
-def _case(thd: bool):
-    cases = [c for c in load_suite("smoke") if sign_split.applies(c) and c.scope == "core" and c.is_thd == thd]
+def _case(thd: bool, scope: str = "core"):
+    cases = [c for c in load_suite("smoke") if sign_split.applies(c) and c.scope == scope and c.is_thd == thd]
     return max(cases, key=_rows)
 
 
@@ -44,6 +44,23 @@ def test_core_heads_go_through_productions_indexer_with_the_core_forwards_patter
     assert calls["core_attention"] == 2 and calls["indexer"] == heads + 1
     assert torch.equal(active, plain)
     assert 0 < int(active.sum()) < active.numel()
+
+
+@pytest.mark.parametrize("thd", [False, True], ids=["bshd", "thd"])
+def test_layer_heads_go_through_the_indexer_on_productions_own_query_latent(megatron, thd):
+    """``query_latent`` is the ``qr`` production's layer hands its core attention: with it the indexer gives the
+    layer forward's scores bit for bit, two layer forwards and one cut short instead of one a head."""
+    case = _case(thd, "layer")
+    tensors = materialize(case, "cpu")
+    active, probe, calls = _observe(megatron, case, tensors, "unfused")
+    plain, plain_probe, _ = _observe(megatron, case, tensors, "unfused", indexer=None)
+    assert (probe, plain_probe) == ("indexer", "attention_layer")
+    assert calls["attention_layer"] == 2 and calls["query_latent"] == 1
+    assert calls["indexer"] == case.config.dsa_indexer_n_heads + 1
+    assert torch.equal(active, plain)
+    qr = megatron.api.query_latent(tensors.inputs["hidden"], tensors.params, case.config, tensors.packed_seq_params)
+    lead = (tensors.inputs["hidden"].shape[0],) if thd else tuple(tensors.inputs["hidden"].shape[:2])
+    assert tuple(qr.shape) == lead + (case.config.q_lora_rank,)
 
 
 def test_the_fused_paths_decline_and_the_core_forward_observes(megatron):

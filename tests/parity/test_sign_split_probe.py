@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cases.suites import load_suite
-from cases.tensors import materialize
+from cases.tensors import api_inputs, materialize
 from parity.impls import load
 from parity.judge import sign_split
 
@@ -26,20 +26,20 @@ def _case(scope: str, thd: bool):
 
 
 class Counting:
-    """The fused API with its entry points counted; ``indexer`` optionally replaced or removed."""
+    """The fused API with its entry points counted; ``indexer`` / ``query_latent`` optionally replaced or removed
+    (None)."""
 
-    def __init__(self, api, indexer="keep"):
-        self.api, self.calls = api, {"core_attention": 0, "attention_layer": 0, "indexer": 0}
-        if indexer is None:
-            self.indexer = None
-        elif indexer != "keep":
-            self._indexer = indexer
+    def __init__(self, api, indexer="keep", query_latent="keep"):
+        self.api, self.calls = api, {"core_attention": 0, "attention_layer": 0, "indexer": 0, "query_latent": 0}
+        self._replaced = {}
+        for name, value in (("indexer", indexer), ("query_latent", query_latent)):
+            if value is None:
+                setattr(self, name, None)
+            elif value != "keep":
+                self._replaced[name] = value
 
     def __getattr__(self, name):
-        if name == "indexer" and "_indexer" in self.__dict__:
-            target = self.__dict__["_indexer"]
-        else:
-            target = getattr(self.api, name)
+        target = self.__dict__["_replaced"].get(name) or getattr(self.api, name)
 
         def counted(*args, **kwargs):
             self.calls[name] = self.calls.get(name, 0) + 1
@@ -89,14 +89,49 @@ def test_an_indexer_that_differs_from_the_core_forward_is_not_used():
     assert torch.equal(active, plain)
 
 
-def test_layer_cases_keep_their_own_entry_point():
-    """The layer's indexer reads the implementation's own query latent, which no public call returns alone."""
+def test_layer_case_probed_through_the_indexer_with_the_layers_own_query_latent():
+    """A layer case's heads go through ``indexer`` on the implementation's ``query_latent``: the layer forward's
+    pattern, with two layer forwards instead of one a head."""
     case = _case("layer", True)
     fused = load("fused")
-    api = Counting(fused.api)
+    tensors = materialize(case, "cpu")
+    fast = Counting(fused.api)
+    active, probe = sign_split.observe(fast, case, tensors, fused.context("torch"))
+    plain = Counting(fused.api, indexer=None)
+    reference_active, plain_probe = sign_split.observe(plain, case, tensors, fused.context("torch"))
+    heads = case.config.dsa_indexer_n_heads
+    assert (probe, plain_probe) == ("indexer", "attention_layer")
+    assert fast.calls["attention_layer"] == 2 and fast.calls["indexer"] == heads + 1
+    assert fast.calls["query_latent"] == 1 and plain.calls["attention_layer"] == heads
+    assert torch.equal(active, reference_active)
+    assert 0 < int(active.sum()) < active.numel()
+
+
+def test_a_layer_case_without_the_implementations_query_latent_keeps_the_layer_forward():
+    """The indexer alone is no use at layer scope without the query latent the layer itself computes."""
+    case = _case("layer", True)
+    fused = load("fused")
+    api = Counting(fused.api, query_latent=None)
     _, probe = sign_split.observe(api, case, materialize(case, "cpu"), fused.context("torch"))
     assert probe == "attention_layer" and api.calls["indexer"] == 0
     assert api.calls["attention_layer"] == case.config.dsa_indexer_n_heads
+
+
+@pytest.mark.parametrize("thd", [False, True], ids=["bshd", "thd"])
+def test_a_query_latent_other_than_the_layers_is_caught(thd):
+    """Negative control: a ``query_latent`` that is not the one the layer computes (the public API's drawn
+    ``q_latent``, or the layer's own scaled by 1 + 2^-7) gives other scores on head 0, so the layer forward observes
+    every head and the pattern is the layer forward's."""
+    case = _case("layer", thd)
+    fused = load("fused")
+    tensors = materialize(case, "cpu")
+    plain = sign_split.observe(Counting(fused.api, indexer=None), case, tensors, fused.context("torch"))[0]
+    for wrong in (lambda *a, **k: api_inputs(case, tensors)[1],
+                  lambda *a, **k: fused.api.query_latent(*a, **k) * (1 + 2 ** -7)):
+        api = Counting(fused.api, query_latent=wrong)
+        active, probe = sign_split.observe(api, case, tensors, fused.context("torch"))
+        assert probe == "attention_layer" and api.calls["indexer"] == 1
+        assert torch.equal(active, plain)
 
 
 def test_same_bits():
