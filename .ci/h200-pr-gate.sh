@@ -14,9 +14,9 @@
 #   12d     12d3cc03e3 (its parent): must fail, naming the fused-path tensors
 #   probe   not a gate: .ci/probes/gather_backward.py on e0e0647850c7 at head (whether the gather-backward-atomic
 #           stand-in hooks production's KV gather there, and the deterministic flag its scatter runs under)
-# The unfused path needs more than an 80 GB card on 9 gate cases (78-92 GiB, H100 runs of 2026-12-06): on an H100
-# those are `unsupported` (rule device-memory) and its baseline is the H100's own (h100/megatron-unfused-gate); the
-# H200 runs them. The unfused path needs none of the GPU packages (no step 1 / step 2).
+# The unfused path fits an 80 GB card on every gate case since 2026-12-07 (peaks up to 47 GiB; 9 cases had run out
+# of it on 2026-12-06): its H100 baseline (h100/megatron-unfused-gate) holds all 227 cases, and gates an H200 that
+# has none of its own. The unfused path needs none of the GPU packages (no step 1 / step 2).
 # DEADLINE=S (seconds this call may spend, default 560) stops the gate in time; the next call resumes it
 # (`dsv4-parity gate --out DIR --resume`, the README's way to continue a killed `make parity`).
 # What comes back: $OUT/summary.txt (every gate's closing summary) and $OUT/pr-gate-<stage>-<paths>-<arch>.tar.gz
@@ -41,8 +41,7 @@ have() { [ -f "reports/baselines/$arch/megatron-$1-gate/metrics.csv" ]; }
 # an H100 lent for the H200 runs the same sm90 kernels: its fused path is gated against the H200's baseline
 cudnn_base() { if have cudnn; then echo auto; elif [ -f reports/baselines/h200/megatron-cudnn-gate/metrics.csv ]; then
   echo h200/megatron-cudnn-gate; else echo none; fi; }
-# the unfused path's, likewise: an H200 (no baseline of its own yet) is gated against the H100's, whose 9 cases that do
-# not fit 80 GB are `unsupported` there and so not gated (a case only the run has is never coverage lost)
+# the unfused path's, likewise: an H200 (no baseline of its own yet) is gated against the H100's (all 227 cases)
 unfused_base() { if have unfused; then echo auto; elif [ -f reports/baselines/h100/megatron-unfused-gate/metrics.csv ]; then
   echo h100/megatron-unfused-gate; else echo none; fi; }
 tree() {  # stage, revision -> the Megatron tree's directory (extracted once)

@@ -19,7 +19,8 @@ failed, the verdict and the report to open. Exit 0 when every run passed, 1 when
 case, an incomplete run, a drift or coverage loss against its baseline, a missing baseline), 2 for a usage error.
 ``--resume`` continues a killed gate: each path's recorded run, and the paths not started yet, judged as the gate was
 started (its ``--baseline``, ``--with-oracle``, ``--baselines-dir`` and ``--provider``, defaults included; another value
-given on the resume is a usage error).
+given on the resume is a usage error), and executed with the gate's ``--workers`` / ``--isolate`` / ``--timeout`` unless
+the resume gives others.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ GATE_OPTIONS = {"--paths": True, "--baseline": True, "--with-oracle": True, "--b
 PER_PATH = {"--provider": True, "--out": True, "--junit": True, "--make-default": False, "--no-report": False,
             "--resume": False}
 FUSED_PROVIDERS = ("auto", "torch", "cudnn", "flashmla")
+#: how a resumed path's run executes (``run --resume`` lets these differ from the recorded run): the value given on
+#: the resume, else the one the gate was started with (``--budget-s`` / ``--threads``: only one given now; a budget
+#: was the first call's, and the recorded thread count is the run's own)
+RESUMED_EXECUTION = {"--workers": True, "--isolate": True, "--timeout": True, "--budget-s": False, "--threads": False}
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -101,6 +106,18 @@ def option_values(tokens: Sequence[str], option: str) -> list[str]:
         elif token.startswith(option + "="):
             values.append(token.split("=", 1)[1])
     return values
+
+
+def resumed_execution(tokens: Sequence[str], manifest: dict) -> list[str]:
+    """The ``run --resume`` options that execute a resumed path as the gate runs now (:data:`RESUMED_EXECUTION`):
+    a gate started with ``--workers auto`` and resumed keeps its workers (it ran the rest with one before)."""
+    recorded = [str(t) for t in manifest.get("argv") or []]
+    argv: list[str] = []
+    for option, or_recorded in RESUMED_EXECUTION.items():
+        values = option_values(tokens, option) or (option_values(recorded, option) if or_recorded else [])
+        if values:
+            argv += [option, values[-1]]
+    return argv + (["--quiet"] if "--quiet" in tokens or "--quiet" in recorded else [])
 
 
 def apply_recorded_gate_options(args: argparse.Namespace, tokens: Sequence[str], manifest: dict,
@@ -197,7 +214,7 @@ def gate_command(args: argparse.Namespace) -> int:
     for index, name in enumerate(names, 1):
         path_dir = out_dir / name if multi else out_dir
         if args.resume and (path_dir / "results.jsonl").is_file():  # its own recorded run, continued as recorded
-            argv = ["run", "--out", str(path_dir), "--resume"]
+            argv = ["run", "--out", str(path_dir), "--resume", *resumed_execution(tokens, manifest)]
         else:
             argv = ["run", *run_tokens, "--provider", name, "--out", str(path_dir)]
             if not multi:  # the one run is the gate: its run row keeps the manifest for `gate --resume`

@@ -207,6 +207,30 @@ def test_a_resumed_gate_of_one_path_judges_as_it_was_started(tmp_path, capsys):
     assert "gate" in row and not any("--gate-manifest" in str(t) for t in row["argv"])
 
 
+def _end_row(run_dir: Path) -> dict:
+    return next(json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()
+                if '"type":"end"' in line)
+
+
+def test_a_resumed_gate_runs_with_the_workers_it_was_started_with(tmp_path, capsys):
+    """A gate started with ``--workers N`` (``make parity``'s ``--workers auto``) and resumed without it runs the
+    rest with N workers, not one (the H100 call of 2026-12-07 ran a resumed gate's last 76 cases in one process);
+    ``--workers`` given on the resume wins."""
+    second = "9a8dbea368d1"  # another quick smoke case, so that two workers have a case each
+    out = tmp_path / "w"
+    assert gate("--case-id", second, "--paths", "torch", "--baseline", "none", "--workers", "2",
+                "--out", str(out)) == 0
+    assert _end_row(out)["occupancy"]["workers"] == 2
+    _killed(out)
+    assert main(["gate", "--out", str(out), "--resume", "--quiet"]) == 0
+    assert _end_row(out)["occupancy"]["workers"] == 2
+    # control: the value given on the resume is the one used
+    _killed(out)
+    assert main(["gate", "--out", str(out), "--resume", "--quiet", "--workers", "1"]) == 0
+    assert _end_row(out)["occupancy"]["workers"] == 1
+    capsys.readouterr()
+
+
 def test_a_resumed_gate_of_two_paths_keeps_each_paths_baseline(tmp_path, capsys):
     """``--baseline P=NAME,...`` of a two-path gate (the PR gate's ``cudnn=h200/megatron-cudnn-gate`` on an H100)
     holds for its resume: the run the path's baseline was recorded from passes again against it."""

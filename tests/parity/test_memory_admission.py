@@ -109,16 +109,17 @@ def test_the_h100s_measured_fused_path_memory_covers_the_gate_and_keeps_its_larg
 
 
 def test_the_h100s_measured_unfused_peaks_stand_for_the_h200_and_fit_it():
-    """``h100/megatron-unfused-gate/memory.csv`` (the 218 gate cases that ran on an H100, 2026-12-06; the 9 that do
-    not fit it have none) is what an H200 run of production's unfused path admits by, having none of its own: every id
-    is a gate case, every peak fits the H200 beside nothing, and the cases the model weighs above half the card (run
-    nearly alone by it) weigh less measured (the model held them apart from every other case)."""
+    """``h100/megatron-unfused-gate/memory.csv`` (all 227 gate cases, run on an H100 on 2026-12-07; the 2026-12-06
+    baseline lacked 9 that ran out of its 80 GB then) is what an H200 run of production's unfused path admits by,
+    having none of its own: every gate case has a peak, every peak fits the H200 beside nothing, and the cases the
+    model weighs above half the card (run nearly alone by it) weigh less measured (the model held them apart from
+    every other case)."""
     from reports.baselines import measured_peaks
 
     peaks = measured_peaks("h200", "megatron-unfused-gate")
-    assert peaks == measured_peaks("h100", "megatron-unfused-gate") and len(peaks) == 218
+    assert peaks == measured_peaks("h100", "megatron-unfused-gate") and len(peaks) == 227
     cases = {c.id: c for c in load_suite("gate")}
-    assert set(peaks) <= set(cases)
+    assert set(peaks) == set(cases)
     capacity = memory.admission_capacity(int(139.80 * 2**30), 6)
     measured = {cid: memory.expected_gpu_bytes(cases[cid], "megatron", "unfused", peaks) for cid in peaks}
     modelled = {cid: memory.expected_gpu_bytes(cases[cid], "megatron", "unfused") for cid in peaks}
