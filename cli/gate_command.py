@@ -44,10 +44,12 @@ GATE_OPTIONS = {"--paths": True, "--baseline": True, "--with-oracle": True, "--b
 PER_PATH = {"--provider": True, "--out": True, "--junit": True, "--make-default": False, "--no-report": False,
             "--resume": False}
 FUSED_PROVIDERS = ("auto", "torch", "cudnn", "flashmla")
-#: how a resumed path's run executes (``run --resume`` lets these differ from the recorded run): the value given on
-#: the resume, else the one the gate was started with (``--budget-s`` / ``--threads``: only one given now; a budget
-#: was the first call's, and the recorded thread count is the run's own)
+#: how a resumed gate's paths execute (``run --resume`` lets these differ from the recorded run): the value given on
+#: the resume, else (``True`` here) the one the gate was started with (``--budget-s`` / ``--threads``: only one given now; a budget
+#: was the first call's, and the recorded thread count is the run's own). ``--workers`` and ``--isolate`` go together:
+#: one given on the resume leaves the other's recorded value out (``--isolate none`` cannot run several workers).
 RESUMED_EXECUTION = {"--workers": True, "--isolate": True, "--timeout": True, "--budget-s": False, "--threads": False}
+PAIRED = ("--workers", "--isolate")
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -112,12 +114,24 @@ def resumed_execution(tokens: Sequence[str], manifest: dict) -> list[str]:
     """The ``run --resume`` options that execute a resumed path as the gate runs now (:data:`RESUMED_EXECUTION`):
     a gate started with ``--workers auto`` and resumed keeps its workers (it ran the rest with one before)."""
     recorded = [str(t) for t in manifest.get("argv") or []]
+    pair_given = any(option_values(tokens, option) for option in PAIRED)
     argv: list[str] = []
     for option, or_recorded in RESUMED_EXECUTION.items():
+        or_recorded = or_recorded and not (pair_given and option in PAIRED)
         values = option_values(tokens, option) or (option_values(recorded, option) if or_recorded else [])
         if values:
             argv += [option, values[-1]]
     return argv + (["--quiet"] if "--quiet" in tokens or "--quiet" in recorded else [])
+
+
+def started_with(run_tokens: Sequence[str], tokens: Sequence[str]) -> list[str]:
+    """The recorded run options ``run_tokens`` of a path a resumed gate starts afresh, the execution options given on
+    the resume (``tokens``) in place of the recorded ones (``--workers`` / ``--isolate`` as a pair; ``--quiet``)."""
+    given = [option for option in RESUMED_EXECUTION if option_values(tokens, option)]
+    replaced = set(given) | (set(PAIRED) if set(given) & set(PAIRED) else set())
+    argv = strip_options(run_tokens, dict.fromkeys(replaced, True))
+    argv += [token for option in given for token in (option, option_values(tokens, option)[-1])]
+    return argv + (["--quiet"] if "--quiet" in tokens and "--quiet" not in argv else [])
 
 
 def apply_recorded_gate_options(args: argparse.Namespace, tokens: Sequence[str], manifest: dict,
@@ -217,6 +231,8 @@ def gate_command(args: argparse.Namespace) -> int:
             argv = ["run", "--out", str(path_dir), "--resume", *resumed_execution(tokens, manifest)]
         else:
             argv = ["run", *run_tokens, "--provider", name, "--out", str(path_dir)]
+            if args.resume:  # not started before the gate was cut: its recorded options, those the resume gives replaced
+                argv = ["run", *started_with(run_tokens, tokens), "--provider", name, "--out", str(path_dir)]
             if not multi:  # the one run is the gate: its run row keeps the manifest for `gate --resume`
                 argv += ["--gate-manifest", json.dumps({"type": "gate", **manifest})]
         if args.junit:

@@ -228,7 +228,10 @@ def query_latent(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], confi
     seen = {}
 
     def capture(_module, _args, kwargs):
-        seen["qr"] = kwargs["qr"].detach()
+        qr = kwargs.get("qr")
+        if not isinstance(qr, torch.Tensor):
+            raise CaseError("q_latent", "production's layer called its core attention without a qr tensor keyword")
+        seen["qr"] = qr.detach()
         raise _QueryLatentSeen
 
     with torch.no_grad(), run_context(current(), config, hidden, False) as (mg, built):

@@ -14,7 +14,10 @@ from cases.tensors import materialize
 from parity.impls import load
 from parity.judge import sign_split
 
+from tests.adapters.test_megatron import needs_megatron
 from tests.parity.test_sign_split_probe import Counting, _rows
+
+pytestmark = needs_megatron
 
 
 def _case(thd: bool, scope: str = "core"):

@@ -228,7 +228,25 @@ def test_a_resumed_gate_runs_with_the_workers_it_was_started_with(tmp_path, caps
     _killed(out)
     assert main(["gate", "--out", str(out), "--resume", "--quiet", "--workers", "1"]) == 0
     assert _end_row(out)["occupancy"]["workers"] == 1
+    # --isolate none given on the resume leaves the recorded --workers 2 out (one process cannot run two workers)
+    _killed(out)
+    assert main(["gate", "--out", str(out), "--resume", "--quiet", "--isolate", "none"]) == 0
+    assert _end_row(out)["occupancy"]["workers"] == 1
     capsys.readouterr()
+
+
+def test_a_resumed_gate_starts_a_path_it_never_began_as_the_resume_says(tmp_path):
+    """A path the cut gate never began runs with the resume's execution options too (found by review: only the
+    paths already begun got them)."""
+    out = tmp_path / "g"
+    assert gate("--paths", "auto,torch", "--baseline", "none", "--out", str(out)) == 0
+    for path in (out / "torch").iterdir():
+        path.unlink()
+    (out / "torch").rmdir()
+    assert main(["gate", "--out", str(out), "--resume", "--quiet", "--timeout", "77"]) == 0
+    row = json.loads((out / "torch" / "results.jsonl").read_text().splitlines()[0])
+    assert row["argv"][row["argv"].index("--timeout") + 1] == "77" and "--resume" not in row["argv"]
+    assert row["threads"] == 1  # the gate's recorded --threads 1 kept: it sets a CPU result's summation order
 
 
 def test_a_resumed_gate_of_two_paths_keeps_each_paths_baseline(tmp_path, capsys):

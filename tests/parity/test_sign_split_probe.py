@@ -47,20 +47,24 @@ class Counting:
         return counted
 
 
+@pytest.mark.parametrize("scope", ["core", "layer"])
 @pytest.mark.parametrize("thd", [False, True], ids=["bshd", "thd"])
-def test_core_case_probed_through_the_indexer_gives_the_core_forwards_pattern(thd):
-    case = _case("core", thd)
+def test_heads_probed_through_the_indexer_give_the_case_forwards_pattern(scope, thd):
+    """Heads 1.. go through ``indexer`` (a layer case on the implementation's ``query_latent``, read once): the case
+    forward's pattern, with two forwards of the case's entry point instead of one a head."""
+    case = _case(scope, thd)
     fused = load("fused")
     tensors = materialize(case, "cpu")
     fast = Counting(fused.api)
     active, probe = sign_split.observe(fast, case, tensors, fused.context("torch"))
     plain = Counting(fused.api, indexer=None)
     reference_active, plain_probe = sign_split.observe(plain, case, tensors, fused.context("torch"))
-    heads = case.config.dsa_indexer_n_heads
-    assert probe == "indexer" and plain_probe == "core_attention"
+    heads, entry = case.config.dsa_indexer_n_heads, sign_split.entry_point(case)
+    assert (probe, plain_probe) == ("indexer", entry)
     # head 0 alone and all heads at once both ways, then heads 1.. through the indexer
-    assert fast.calls["core_attention"] == 2 and fast.calls["indexer"] == heads + 1
-    assert plain.calls["core_attention"] == heads and plain.calls["indexer"] == 0
+    assert fast.calls[entry] == 2 and fast.calls["indexer"] == heads + 1
+    assert fast.calls["query_latent"] == (1 if scope == "layer" else 0)
+    assert plain.calls[entry] == heads and plain.calls["indexer"] == 0
     assert torch.equal(active, reference_active)
     assert 0 < int(active.sum()) < active.numel()
 
@@ -87,24 +91,6 @@ def test_an_indexer_that_differs_from_the_core_forward_is_not_used():
     assert probe == "core_attention"
     assert api.calls["indexer"] == 1 and api.calls["core_attention"] == case.config.dsa_indexer_n_heads
     assert torch.equal(active, plain)
-
-
-def test_layer_case_probed_through_the_indexer_with_the_layers_own_query_latent():
-    """A layer case's heads go through ``indexer`` on the implementation's ``query_latent``: the layer forward's
-    pattern, with two layer forwards instead of one a head."""
-    case = _case("layer", True)
-    fused = load("fused")
-    tensors = materialize(case, "cpu")
-    fast = Counting(fused.api)
-    active, probe = sign_split.observe(fast, case, tensors, fused.context("torch"))
-    plain = Counting(fused.api, indexer=None)
-    reference_active, plain_probe = sign_split.observe(plain, case, tensors, fused.context("torch"))
-    heads = case.config.dsa_indexer_n_heads
-    assert (probe, plain_probe) == ("indexer", "attention_layer")
-    assert fast.calls["attention_layer"] == 2 and fast.calls["indexer"] == heads + 1
-    assert fast.calls["query_latent"] == 1 and plain.calls["attention_layer"] == heads
-    assert torch.equal(active, reference_active)
-    assert 0 < int(active.sum()) < active.numel()
 
 
 def test_a_layer_case_without_the_implementations_query_latent_keeps_the_layer_forward():
