@@ -23,6 +23,7 @@ SIGNATURES = {
                       "topk_indices=None)",
     "compressor": "(hidden, params, prefix, config, packed_seq_params=None, *, rotate=False)",
     "indexer": "(hidden, q_latent, params, config, packed_seq_params=None)",
+    "query_latent": "(hidden, params, config, packed_seq_params=None)",
 }
 
 
