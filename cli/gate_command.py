@@ -45,10 +45,12 @@ PER_PATH = {"--provider": True, "--out": True, "--junit": True, "--make-default"
             "--resume": False}
 FUSED_PROVIDERS = ("auto", "torch", "cudnn", "flashmla")
 #: how a resumed gate's paths execute (``run --resume`` lets these differ from the recorded run): the value given on
-#: the resume, else (``True`` here) the one the gate was started with (``--budget-s`` / ``--threads``: only one given now; a budget
-#: was the first call's, and the recorded thread count is the run's own). ``--workers`` and ``--isolate`` go together:
-#: one given on the resume leaves the other's recorded value out (``--isolate none`` cannot run several workers).
-RESUMED_EXECUTION = {"--workers": True, "--isolate": True, "--timeout": True, "--budget-s": False, "--threads": False}
+#: the resume, else the one the gate was started with where that applies (:data:`FROM_THE_GATE` for a run resumed:
+#: its recorded thread count is its own, and a budget was the first call's; every one for a path started afresh).
+#: ``--workers`` and ``--isolate`` go together: one given on the resume leaves the other's recorded value out
+#: (``--isolate none`` cannot run several workers).
+EXECUTION = ("--workers", "--isolate", "--timeout", "--budget-s", "--threads")
+FROM_THE_GATE = ("--workers", "--isolate", "--timeout")
 PAIRED = ("--workers", "--isolate")
 
 
@@ -110,28 +112,19 @@ def option_values(tokens: Sequence[str], option: str) -> list[str]:
     return values
 
 
-def resumed_execution(tokens: Sequence[str], manifest: dict) -> list[str]:
-    """The ``run --resume`` options that execute a resumed path as the gate runs now (:data:`RESUMED_EXECUTION`):
-    a gate started with ``--workers auto`` and resumed keeps its workers (it ran the rest with one before)."""
-    recorded = [str(t) for t in manifest.get("argv") or []]
+def execution_options(tokens: Sequence[str], recorded: Sequence[str], fallback: Sequence[str]) -> list[str]:
+    """The :data:`EXECUTION` options (and ``--quiet``) a resumed gate's path runs with: each given on the resume
+    (``tokens``), else, for the options in ``fallback``, its value in the gate's ``recorded`` argv (a gate started
+    with ``--workers auto`` and resumed keeps its workers: it ran the rest with one before)."""
+    recorded = [str(t) for t in recorded]
     pair_given = any(option_values(tokens, option) for option in PAIRED)
     argv: list[str] = []
-    for option, or_recorded in RESUMED_EXECUTION.items():
-        or_recorded = or_recorded and not (pair_given and option in PAIRED)
-        values = option_values(tokens, option) or (option_values(recorded, option) if or_recorded else [])
+    for option in EXECUTION:
+        falls_back = option in fallback and not (pair_given and option in PAIRED)
+        values = option_values(tokens, option) or (option_values(recorded, option) if falls_back else [])
         if values:
             argv += [option, values[-1]]
     return argv + (["--quiet"] if "--quiet" in tokens or "--quiet" in recorded else [])
-
-
-def started_with(run_tokens: Sequence[str], tokens: Sequence[str]) -> list[str]:
-    """The recorded run options ``run_tokens`` of a path a resumed gate starts afresh, the execution options given on
-    the resume (``tokens``) in place of the recorded ones (``--workers`` / ``--isolate`` as a pair; ``--quiet``)."""
-    given = [option for option in RESUMED_EXECUTION if option_values(tokens, option)]
-    replaced = set(given) | (set(PAIRED) if set(given) & set(PAIRED) else set())
-    argv = strip_options(run_tokens, dict.fromkeys(replaced, True))
-    argv += [token for option in given for token in (option, option_values(tokens, option)[-1])]
-    return argv + (["--quiet"] if "--quiet" in tokens and "--quiet" not in argv else [])
 
 
 def apply_recorded_gate_options(args: argparse.Namespace, tokens: Sequence[str], manifest: dict,
@@ -228,11 +221,14 @@ def gate_command(args: argparse.Namespace) -> int:
     for index, name in enumerate(names, 1):
         path_dir = out_dir / name if multi else out_dir
         if args.resume and (path_dir / "results.jsonl").is_file():  # its own recorded run, continued as recorded
-            argv = ["run", "--out", str(path_dir), "--resume", *resumed_execution(tokens, manifest)]
+            argv = ["run", "--out", str(path_dir), "--resume",
+                    *execution_options(tokens, manifest.get("argv") or [], FROM_THE_GATE)]
         else:
-            argv = ["run", *run_tokens, "--provider", name, "--out", str(path_dir)]
-            if args.resume:  # not started before the gate was cut: its recorded options, those the resume gives replaced
-                argv = ["run", *started_with(run_tokens, tokens), "--provider", name, "--out", str(path_dir)]
+            options = run_tokens
+            if args.resume:  # not started before the gate was cut: its recorded options, executed as the resume says
+                options = strip_options(run_tokens, {**dict.fromkeys(EXECUTION, True), "--quiet": False})
+                options += execution_options(tokens, run_tokens, EXECUTION)
+            argv = ["run", *options, "--provider", name, "--out", str(path_dir)]
             if not multi:  # the one run is the gate: its run row keeps the manifest for `gate --resume`
                 argv += ["--gate-manifest", json.dumps({"type": "gate", **manifest})]
         if args.junit:

@@ -87,6 +87,17 @@ def _indexer_outputs(record: recorders.Record, config: ModelConfig, packed: Opti
     return recorders.contract_topk(local, k), scores, {}
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The contract's dtype of production's float32 values (its islands) in a case of ``dtype``: float64 for float64
+    cases, else float32 (exact either way)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _under(params: Mapping[str, torch.Tensor], prefix: str) -> dict:
+    """The parameters named under ``prefix``, by their names within that submodule."""
+    return {name[len(prefix):]: t for name, t in params.items() if name.startswith(prefix)}
+
+
 def _output(out: torch.Tensor, record: recorders.Record, config: ModelConfig, packed, lead: tuple) -> MegatronOutput:
     not_provided = {}
     lse = record.get("lse")
@@ -102,8 +113,7 @@ def _output(out: torch.Tensor, record: recorders.Record, config: ModelConfig, pa
         not_provided.update(missing)
     loss = record.get("loss")
     # float32 values of a float64 run (production's islands) in the case's dtype, exactly (the contract's dtype)
-    wide = torch.float64 if out.dtype == torch.float64 else torch.float32
-    lse, scores, loss = (None if t is None else t.to(wide) for t in (lse, scores, loss))
+    lse, scores, loss = (None if t is None else t.to(_wide(out.dtype)) for t in (lse, scores, loss))
     return MegatronOutput(out=out, lse=lse, indexer_loss=loss, topk_indices=topk, index_scores=scores,
                           not_provided=not_provided)
 
@@ -152,7 +162,7 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
     packed = packed_seq_params is not None
     lead = tuple(query.shape[:1] if packed else query.shape[:2])
     n, d = config.num_attention_heads, config.v_head_dim
-    core_params = {name[len(CORE_PREFIX):]: t for name, t in params.items() if name.startswith(CORE_PREFIX)}
+    core_params = _under(params, CORE_PREFIX)
     with run_context(current(), config, query, training) as (mg, built):
         if packed:
             q, key, x, qr = query, kv.view(-1, 1, 1, d), hidden.unsqueeze(1), q_latent.unsqueeze(1)
@@ -194,7 +204,7 @@ def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, t
         raise CaseError("indexer", "the case's layer has no indexer")
     packed = packed_seq_params is not None
     lead = tuple(hidden.shape[:1] if packed else hidden.shape[:2])
-    own = {name[len(INDEXER_PREFIX):]: t for name, t in params.items() if name.startswith(INDEXER_PREFIX)}
+    own = _under(params, INDEXER_PREFIX)
     with torch.no_grad(), run_context(current(), config, hidden, False) as (mg, built):
         module = built.module.core_attention.indexer
         _check_covered(built, own, INDEXER_PREFIX)
@@ -208,8 +218,7 @@ def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, t
         with recorders.recording(mg) as record:
             functional_call(module, own, (x, qr), {"mask": mask, "packed_seq_params": psp}, strict=False)
     topk, scores, _ = _indexer_outputs(record, config, packed_seq_params, lead)
-    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return (None if scores is None else scores.to(wide)), topk
+    return (None if scores is None else scores.to(_wide(hidden.dtype))), topk
 
 
 class _QueryLatentSeen(Exception):

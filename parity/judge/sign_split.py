@@ -150,7 +150,6 @@ def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], Context
     weights = tensors.params[WEIGHTS]
     per_head = []
     with torch.no_grad(), context():
-        probe, scores_of = entry_points(api, case, tensors)
         for h in range(heads):
             isolated = torch.zeros_like(weights)
             isolated[h] = weights[h]
@@ -161,6 +160,7 @@ def observe(api, case: Case, tensors: CaseTensors, context: Callable[[], Context
                 scores = _eval_scores(api, case, tensors, params)
                 if scores is None or scores.numel() * heads > settings.max_elements:
                     return None
+                probe, scores_of = entry_points(api, case, tensors)  # after head 0: nothing read for a case skipped
                 if scores_of is not _eval_scores and not _indexer_agrees(api, case, tensors, scores_of, params,
                                                                              scores):
                     probe, scores_of = entry_point(case), _eval_scores

@@ -9,20 +9,14 @@ import torch
 
 from adapters.megatron import layer
 from cases.errors import CaseError
-from cases.suites import load_suite
 from cases.tensors import materialize
 from parity.impls import load
 from parity.judge import sign_split
 
 from tests.adapters.test_megatron import needs_megatron
-from tests.parity.test_sign_split_probe import Counting, _rows
+from tests.parity.test_sign_split_probe import Counting, _case
 
 pytestmark = needs_megatron
-
-
-def _case(thd: bool, scope: str = "core"):
-    cases = [c for c in load_suite("smoke") if sign_split.applies(c) and c.scope == scope and c.is_thd == thd]
-    return max(cases, key=_rows)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +32,7 @@ def _observe(impl, case, tensors, provider, indexer="keep"):
 
 @pytest.mark.parametrize("thd", [False, True], ids=["bshd", "thd"])
 def test_core_heads_go_through_productions_indexer_with_the_core_forwards_pattern(megatron, thd):
-    case = _case(thd)
+    case = _case("core", thd)
     tensors = materialize(case, "cpu")
     active, probe, calls = _observe(megatron, case, tensors, "unfused")
     plain, plain_probe, _ = _observe(megatron, case, tensors, "unfused", indexer=None)
@@ -53,7 +47,7 @@ def test_core_heads_go_through_productions_indexer_with_the_core_forwards_patter
 def test_layer_heads_go_through_the_indexer_on_productions_own_query_latent(megatron, thd):
     """``query_latent`` is the ``qr`` production's layer hands its core attention: with it the indexer gives the
     layer forward's scores bit for bit, two layer forwards and one cut short instead of one a head."""
-    case = _case(thd, "layer")
+    case = _case("layer", thd)
     tensors = materialize(case, "cpu")
     active, probe, calls = _observe(megatron, case, tensors, "unfused")
     plain, plain_probe, _ = _observe(megatron, case, tensors, "unfused", indexer=None)
@@ -67,7 +61,7 @@ def test_layer_heads_go_through_the_indexer_on_productions_own_query_latent(mega
 
 
 def test_the_fused_paths_decline_and_the_core_forward_observes(megatron):
-    case = _case(True)
+    case = _case("core", True)
     tensors = materialize(case, "cpu")
     with megatron.context("emulated")(), pytest.raises(CaseError, match="unfused provider"):
         megatron.api.indexer(tensors.inputs["hidden"], tensors.inputs["q_latent"], tensors.params, case.config,
@@ -79,7 +73,7 @@ def test_the_fused_paths_decline_and_the_core_forward_observes(megatron):
 def test_a_mask_one_row_late_is_caught_and_not_used(megatron, monkeypatch):
     """Negative control: the BSHD causal mask shifted by one row (a compressed entry visible one row early) gives
     other scores than the core forward's, so sign-split does not use the indexer; the pattern is unchanged."""
-    case = _case(False)
+    case = _case("core", False)
     tensors = materialize(case, "cpu")
     plain, _, _ = _observe(megatron, case, tensors, "unfused", indexer=None)
     honest = layer._visible_compressed
