@@ -6,7 +6,8 @@
 #             gradient bit-identical to autograd's index_put on CUDA, the reference on CUDA
 #   fused     bench --sections gate --gate-runs cold,warm,warm: make parity's gate (fused, cudnn, --workers auto);
 #             the second warm run gives the spread between runs
-#   production bench --sections gate --gate-impl megatron --gate-runs warm over the same kernel cache
+#   production bench --sections gate --gate-impl megatron --gate-runs warm over the same kernel cache (PROD_RUNS=warm,warm
+#             where production's own kernel keys are not compiled yet: its first run compiles them)
 #   mps       the warm fused gate under an MPS server (after `fused`: its kernel cache), the workers' kernels concurrent
 #   ops       bench --sections ops over 24 gate cases on the GPU (fused, cudnn): ATen ops per case and phase, the
 #             reference's and the comparison's by site (compare with reports/baselines/cpu/bench/NOTE-ops-20261206.md)
@@ -29,9 +30,12 @@ for stage in "$@"; do
       note "cuda tests: exit $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$out/pytest-cuda.txt")" ;;
     fused|production)
       impl=fused runs="${RUNS:-cold,warm,warm}"  # RUNS=cold,warm: one warm run (no spread) where a call is short
-      [ "$stage" = production ] && impl=megatron runs=warm
+      [ "$stage" = production ] && impl=megatron runs="${PROD_RUNS:-warm}"  # PROD_RUNS=warm,warm: the first run
+      # on a machine whose cache holds only the fused gate's kernels compiles production's own kernel keys
+      # BUDGET=S: the runs left when S seconds are spent are skipped, so the JSON is written inside a call's limit
       python3 -m cli bench --sections gate --gate-impl "$impl" --gate-runs "$runs" --gate-cache-dir "$cache" \
-        --gate-dir "/tmp/gate-$stage" --json "$out/bench-$stage.json" --no-plot > "$out/bench-$stage.log" 2>&1
+        ${BUDGET:+--gate-budget-s "$BUDGET"} --gate-dir "/tmp/gate-$stage" --json "$out/bench-$stage.json" --no-plot \
+        > "$out/bench-$stage.log" 2>&1
       note "$stage gate bench: exit $? in $(( $(date +%s) - t0 )) s"
       for run in cold warm; do  # (the repeat's stays: $OUT returns 8 files at most)
         [ -f "/tmp/gate-$stage/$run/results.jsonl" ] && gzip -c "/tmp/gate-$stage/$run/results.jsonl" > "$out/$stage-$run.jsonl.gz"
