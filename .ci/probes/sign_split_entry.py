@@ -52,15 +52,12 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def rows(c):
-        return c.layout.total_tokens if c.is_thd else c.layout.batch * c.layout.seq_len
-
     if args.case_ids:
         cases = [find_case(args.suite, cid) for cid in args.case_ids]
     else:
         pool = [c for c in load_suite(args.suite) if sign_split.applies(c) and c.dtype == "bfloat16"]
-        cases = [c for scope in ("layer", "core")
-                 for c in sorted((c for c in pool if c.scope == scope), key=rows, reverse=True)[:args.count]]
+        largest = sorted(pool, key=lambda c: c.layout.num_tokens, reverse=True)
+        cases = [c for scope in ("layer", "core") for c in [c for c in largest if c.scope == scope][:args.count]]
     print(f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, impl {args.impl}, provider {args.provider}")
     context = impl.context(args.provider)
     for case in cases:
@@ -75,7 +72,8 @@ def main(argv=None) -> int:
             timed.append((time.perf_counter() - t0, got))
         (fast, a), (plain, b) = timed
         same = a is not None and b is not None and torch.equal(a[0], b[0])
-        print(f"{case.id} {case.scope:5s} {'thd ' if case.is_thd else 'bshd'} rows {rows(case):5d}: probe "
+        layout = "thd " if case.is_thd else "bshd"
+        print(f"{case.id} {case.scope:5s} {layout} rows {case.layout.num_tokens:5d}: probe "
               f"{a[1] if a else None}, {fast:.3f} s against {plain:.3f} s through {b[1] if b else None} "
               f"({fast / plain:.2f}); patterns equal: {same}", flush=True)
     return 0

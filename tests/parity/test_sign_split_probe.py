@@ -14,15 +14,10 @@ from parity.impls import load
 from parity.judge import sign_split
 
 
-def _rows(case) -> int:
-    lay = case.layout
-    return lay.total_tokens if case.is_thd else lay.batch * lay.seq_len
-
-
 def _case(scope: str, thd: bool):
     """The smoke case of that scope and layout with the most rows (its pattern has both signs)."""
     cases = [c for c in load_suite("smoke") if sign_split.applies(c) and c.scope == scope and c.is_thd == thd]
-    return max(cases, key=_rows)
+    return max(cases, key=lambda c: c.layout.num_tokens)
 
 
 class Counting:
