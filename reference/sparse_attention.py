@@ -50,31 +50,55 @@ def gather_rows(kv_full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def sum_rows_in_order(values: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
     """``out [rows, D]``: ``out[r]`` is the sum of the rows ``values[m]`` (``values [M, D]``) with ``ids[m] == r``
-    (``ids [M]`` int64; entries with ``ids < 0`` are dropped), added one at a time in increasing ``m``, each addition
-    rounded to ``values.dtype``.
+    (``ids [M]`` int64 or int32; entries with ``ids < 0`` are dropped), added one at a time in increasing ``m``, each
+    addition rounded to ``values.dtype``.
 
     That is exactly what autograd's deterministic ``index_put_(accumulate=True)`` computes for the gradient of a row
     gather ``x[ids]`` (its CPU loop and its CUDA kernel both add a row's duplicates in index order), so the result
     is bit-identical to it. Only the schedule differs: the CUDA kernel adds each row's duplicates one after another
     in one warp, which is slow when rows repeat hundreds of times (a window key is read by ``W`` query rows, a
-    compressed key by every row that selects it). Here the duplicates are ranked within their row and the
-    ``j``-th duplicates of all rows are added together, one vector add per rank.
+    compressed key by every row that selects it). Both schedules here sort the entries by row, stably (duplicates
+    keep their order), and give the same bits:
 
-    Every size is fixed by the shapes except the schedule itself (how many rows have a ``j``-th duplicate), which is
-    read from the device once: on a GPU the function waits for it once, not once per data-dependent shape (it
-    waited up to five times before; ``tests/reference/test_cuda.py``).
+    * on CUDA, :func:`sum_runs_by_segments`: one kernel whatever the duplicates, nothing read back from the device;
+    * on the CPU, :func:`sum_runs_by_rank`: one vectorised add per duplicate rank (no launches to save there, and
+      torch's CPU ``segment_reduce`` is a scalar loop: smoke ran 5 % slower with it).
     """
-    D = values.shape[-1]
+    if ids.numel() == 0 or rows == 0:
+        return values.new_zeros((rows, values.shape[-1]))
+    schedule = sum_runs_by_segments if values.is_cuda else sum_runs_by_rank
+    return schedule(values, *row_runs(ids, rows))
+
+
+def row_runs(ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sorted_rows [M], perm [M], bounds [rows + 2])`` of ``ids [M]`` (non-empty, ``rows >= 1``): the entries
+    sorted by row, stably (``perm``), the dropped ones (``ids < 0``) as a bin ``rows`` after every row; row ``r``'s
+    run is ``[bounds[r], bounds[r+1])``, the bin's ``[bounds[rows], M)``."""
+    row_of = torch.where(ids < 0, rows, ids).to(torch.int64)
+    sorted_rows, perm = torch.sort(row_of, stable=True)
+    # where each run begins, and the end: no scatter, so no deterministic-mode detour
+    bounds = torch.searchsorted(sorted_rows, torch.arange(rows + 2, device=ids.device))
+    return sorted_rows, perm, bounds
+
+
+def sum_runs_by_segments(values: torch.Tensor, sorted_rows: torch.Tensor, perm: torch.Tensor,
+                         bounds: torch.Tensor) -> torch.Tensor:
+    """:func:`sum_rows_in_order`'s sums with ``torch.segment_reduce`` over :func:`row_runs` (``values [M, D]`` taken
+    in ``perm`` order; the dropped bin after the rows is not read). For 2-D data its kernel (CPU and CUDA) keeps one
+    running value per output element in ``values.dtype``, starting at ``+0.0`` as ``index_put_`` adds into zeros (a
+    row of only ``-0.0`` entries sums to ``+0.0``), and adds the run's entries to it in order."""
+    ordered = values.index_select(0, perm)
+    return torch.segment_reduce(ordered, "sum", offsets=bounds[:-1], axis=0, unsafe=True)
+
+
+def sum_runs_by_rank(values: torch.Tensor, sorted_rows: torch.Tensor, perm: torch.Tensor,
+                     bounds: torch.Tensor) -> torch.Tensor:
+    """:func:`sum_rows_in_order`'s sums rank by rank over :func:`row_runs`: the ``j``-th duplicates of all rows are
+    added together, one vector add per rank ``j``. The schedule (how many rows have a ``j``-th duplicate) is read
+    from the device once."""
+    rows, M, D = len(bounds) - 2, values.shape[0], values.shape[-1]
+    device = sorted_rows.device
     out = values.new_zeros((rows, D))
-    M = ids.numel()
-    if M == 0 or rows == 0:
-        return out
-    device = ids.device
-    dropped = ids < 0
-    row_of = torch.where(dropped, rows, ids).to(torch.int64)         # dropped entries: a bin past the last row
-    sorted_rows, perm = torch.sort(row_of, stable=True)              # duplicates keep their order
-    # where each row's run begins (and the bin's, and the end): no scatter, so no deterministic-mode detour
-    bounds = torch.searchsorted(sorted_rows, torch.arange(rows + 2, device=device))
     starts, binned = bounds[:-1], bounds[1:] - bounds[:-1]           # entries per row, and the bin's
     rank = torch.arange(M, device=device) - starts[sorted_rows]      # an entry's place in its run
     by_count = torch.sort(binned[:rows], descending=True, stable=True)  # rows, most duplicates first
@@ -93,7 +117,7 @@ def sum_rows_in_order(values: torch.Tensor, ids: torch.Tensor, rows: int) -> tor
     if kept == 0:
         return out
     per_rank = torch.bincount(desc[:kept], minlength=int(desc[0]) + 1).flip(0).cumsum(0).flip(0)[1:].tolist()
-    acc = ordered[:per_rank[0]].clone()
+    acc = ordered[:per_rank[0]] + 0.0  # rank 0 added into zeros, as index_put_ does (-0.0 becomes +0.0)
     at = per_rank[0]
     for n in per_rank[1:]:
         acc[:n].add_(ordered[at:at + n])  # in place on the view: one op (``acc[:n] += ...`` copies it back too)

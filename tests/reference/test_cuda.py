@@ -117,20 +117,22 @@ def test_malformed_device_offsets_are_still_named_after_on_host():
         thd.segments(thd.on_host(bad), 9)
 
 
-def test_ordered_gather_gradient_waits_for_the_gpu_once():
-    """``sum_rows_in_order`` reads one thing from the device (its schedule), so on a GPU shared by several workers
-    the gather's backward waits for the GPU once per block, not once per data-dependent shape. CUDA's sync debug
-    mode warns "called a synchronizing CUDA operation" at every synchronising call; the failure names the lines
-    that did. Only that text counts: turning the mode on warns too ("Synchronization debug mode is a prototype
-    feature ..."), which the first version of this test counted as a wait (2 on an H100, 2026-12-07). Control:
-    ``torch.unique`` with counts (a data-dependent output size) warns."""
+def test_ordered_gather_gradient_does_not_wait_for_the_gpu():
+    """On CUDA ``sum_rows_in_order`` is one segmented reduction (``sum_runs_by_segments``): nothing is read back,
+    so on a GPU shared by several workers the gather's backward never waits for it. CUDA's sync debug mode warns
+    "called a synchronizing CUDA operation" at every synchronising call; the failure names the lines that did. Only
+    that text counts: turning the mode on warns too ("Synchronization debug mode is a prototype feature ..."), which
+    an earlier version of this test counted as a wait (2 on an H100, 2026-12-07). Controls: ``torch.unique`` with
+    counts (a data-dependent output size) warns, and so does the rank-by-rank schedule (it reads its schedule
+    once)."""
     import warnings
 
-    from reference.sparse_attention import sum_rows_in_order
+    from reference.sparse_attention import row_runs, sum_rows_in_order, sum_runs_by_rank
 
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(-1, 40, (600,), generator=g).cuda()
     values = torch.randn(600, 64, generator=g, dtype=torch.float64).cuda()
+    runs = row_runs(ids, 40)
     torch.cuda.synchronize()
 
     def syncs(fn) -> list:
@@ -144,5 +146,28 @@ def test_ordered_gather_gradient_waits_for_the_gpu_once():
         return [f"{w.filename}:{w.lineno}" for w in seen if "called a synchronizing" in str(w.message)]
 
     assert len(syncs(lambda: torch.unique(ids, return_counts=True))) >= 1
+    assert len(syncs(lambda: sum_runs_by_rank(values, *runs))) == 1
     waits = syncs(lambda: sum_rows_in_order(values, ids, 40))
-    assert len(waits) == 1, f"{len(waits)} synchronising calls: {waits}"
+    assert waits == [], f"{len(waits)} synchronising calls: {waits}"
+
+
+def test_both_gather_gradient_schedules_agree_bit_for_bit_on_the_gpu():
+    """CUDA's segmented schedule and the CPU's rank-by-rank one give the same bits on the GPU, and the same as the
+    CPU's (float64, float32, bfloat16; magnitudes far apart, ``-0.0`` entries; control: the reversed order differs)."""
+    from reference.sparse_attention import row_runs, sum_runs_by_rank, sum_runs_by_segments
+
+    g = torch.Generator().manual_seed(5)
+    M, rows, D = 3000, 50, 64
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        values = (torch.randn(M, D, generator=g) * torch.exp(3 * torch.randn(M, 1, generator=g))).to(dtype)
+        values[torch.rand(M, D, generator=g) < 0.2] = -0.0
+        ids = torch.randint(-2, rows, (M,), generator=g)
+        on_cpu = sum_runs_by_rank(values, *row_runs(ids, rows))
+        cv, ci = values.cuda(), ids.cuda()
+        segments = sum_runs_by_segments(cv, *row_runs(ci, rows)).cpu()
+        by_rank = sum_runs_by_rank(cv, *row_runs(ci, rows)).cpu()
+        reversed_order = sum_runs_by_segments(cv.flip(0), *row_runs(ci.flip(0), rows)).cpu()
+        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
+        assert torch.equal(segments.view(as_int), by_rank.view(as_int)), dtype
+        assert torch.equal(segments.view(as_int), on_cpu.view(as_int)), dtype
+        assert not torch.equal(reversed_order, segments), dtype

@@ -1,14 +1,17 @@
 """The reference's row gather: the plain indexing forward, and a gradient bit-identical to autograd's deterministic
-``index_put_(accumulate=True)`` (duplicates added one at a time, in index order), scheduled rank by rank."""
+``index_put_(accumulate=True)`` (duplicates added one at a time, in index order), in either schedule: rank by rank
+(the CPU's) or one segmented reduction (CUDA's)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reference.sparse_attention import gather_rows, sum_rows_in_order
+from reference.sparse_attention import (gather_rows, row_runs, sum_rows_in_order, sum_runs_by_rank,
+                                        sum_runs_by_segments)
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+SCHEDULES = [sum_runs_by_rank, sum_runs_by_segments]
 
 
 def plain_gather(kv_full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -120,3 +123,88 @@ def test_no_rows_and_int32_ids_are_accepted():
     ids = torch.tensor([2, 0, 2], dtype=torch.int32)
     want = torch.zeros(3, 5).index_put_((ids.long(),), values, accumulate=True)
     assert torch.equal(sum_rows_in_order(values, ids, 3), want)
+
+
+def sequential_sum(values: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """The definition, entry by entry into zeros: ``out[ids[m]] += values[m]`` for ``m = 0, 1, ...`` in
+    ``values.dtype`` (so a row of only ``-0.0`` entries is ``+0.0 + -0.0 = +0.0``)."""
+    out = values.new_zeros((rows, values.shape[-1]))
+    for m, r in enumerate(ids.tolist()):
+        if r >= 0:
+            out[r] = out[r] + values[m]
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (so ``-0.0`` and ``+0.0`` differ)."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def zero_signed_entries(dtype: torch.dtype, seed: int):
+    """``(values [400, 7], ids [400], rows)``: magnitudes far apart (the rounding order shows), a fifth of the
+    entries ``-0.0``, dropped ids, row 5 without entries and row 7 with only ``-0.0`` entries."""
+    g = torch.Generator().manual_seed(seed)
+    M, rows, D = 400, 30, 7
+    values = (torch.randn(M, D, generator=g) * torch.exp(3 * torch.randn(M, 1, generator=g))).to(dtype)
+    values[torch.rand(M, D, generator=g) < 0.2] = -0.0
+    ids = torch.randint(-2, rows, (M,), generator=g)
+    ids[ids == 5] = 6
+    values[ids == 7] = -0.0
+    return values, ids, rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_definition_is_autograds_index_put_bit_for_bit(dtype):
+    """The oracle below is what autograd computes, signs of zero included (a row of only ``-0.0`` is ``+0.0``)."""
+    values, ids, rows = zero_signed_entries(dtype, 10)
+    kept = ids >= 0
+    autograd = values.new_zeros((rows, values.shape[-1])).index_put_((ids[kept],), values[kept], accumulate=True)
+    assert torch.equal(bits(sequential_sum(values, ids, rows)), bits(autograd))
+    assert bits(autograd[7]).eq(0).all()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_schedule_adds_entry_by_entry_signs_of_zero_included(schedule, dtype):
+    """Both schedules give the sequential sum's bits (an empty row and a row of only ``-0.0`` are ``+0.0``)."""
+    for seed in range(6):
+        values, ids, rows = zero_signed_entries(dtype, seed)
+        got = schedule(values, *row_runs(ids, rows))
+        assert torch.equal(bits(got), bits(sequential_sum(values, ids, rows)))
+        assert bits(got[5]).eq(0).all() and bits(got[7]).eq(0).all()
+
+
+def test_negative_control_a_sum_that_starts_from_its_first_entry_keeps_a_negative_zero():
+    """The sign check above can fail: a running sum started from the run's first entry (not from zero) leaves a row
+    of only ``-0.0`` at ``-0.0``."""
+    values, ids = torch.tensor([[-0.0], [-0.0]]), torch.tensor([0, 0])
+    _, perm, bounds = row_runs(ids, 1)
+    from_first = torch.segment_reduce(values.index_select(0, perm), "sum", offsets=bounds[:-1], axis=0, unsafe=True,
+                                      initial=-0.0)
+    assert not torch.equal(bits(from_first), bits(sequential_sum(values, ids, 1)))
+
+
+def test_the_segmented_schedule_takes_the_same_ops_whatever_the_duplicates():
+    """CUDA's schedule launches a fixed number of kernels: a row repeated 4 or 40 times costs the same ops (control:
+    the rank schedule takes one more add per rank)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def ops(schedule, repeats):
+        ids = torch.cat((torch.full((repeats,), 3), torch.tensor([1, 0, -1])))
+        runs = row_runs(ids, 5)
+        with Ops() as seen:
+            schedule(torch.randn(ids.numel(), 8, dtype=torch.float64), *runs)
+        return seen.names
+
+    assert ops(sum_runs_by_segments, 4) == ops(sum_runs_by_segments, 40)
+    assert "add_" not in ops(sum_runs_by_segments, 40)
+    assert ops(sum_runs_by_rank, 40).count("add_") - ops(sum_runs_by_rank, 4).count("add_") == 36
