@@ -25,6 +25,13 @@ snapshot=$(ls "$PWD"/.mg/megatron-lm-dev-*.tar.gz 2>/dev/null | head -1)
 note() { echo "$*" | tee -a "$out/summary.txt"; }
 old=/tmp/ab-old new="$PWD" cache=/tmp/dsv4-kernel-cache json=/tmp/ab-json
 [ -d "$old" ] || { mkdir -p "$old" && tar xzf "$old_tar" -C "$old"; }
+# both trees admit cases to the GPU by the same measured peaks: the newer tree's memory.csv files (e.g. h100/gate,
+# recorded 2026-12-07) go into the older tree where it has none, or only the older tree would run cases out of memory
+# and re-run them alone (admission only: no value changes)
+for peaks in reports/baselines/*/*/memory.csv; do
+  [ -f "$peaks" ] && [ -d "$old/reports/baselines" ] && [ ! -f "$old/$peaks" ] \
+    && mkdir -p "$old/$(dirname "$peaks")" && cp "$peaks" "$old/$peaks"
+done
 mkdir -p "$json"
 i=0
 for step in $order; do

@@ -6,12 +6,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from reference.sparse_attention import (gather_rows, row_runs, sum_rows_in_order, sum_runs_by_rank,
                                         sum_runs_by_segments)
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 SCHEDULES = [sum_runs_by_rank, sum_runs_by_segments]
+
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every ATen op dispatched while active (``names``, in order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def plain_gather(kv_full: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -93,24 +106,13 @@ def test_one_add_per_duplicate_rank_and_no_copy_back():
     """The schedule's launch count: ranks 2..L of the longest run each take one in-place add on a view of the
     accumulator; ``acc[:n] += x`` would copy the view back onto itself as well (a second kernel per rank on CUDA).
     Control: the same loop written with ``+=`` on the slice dispatches that copy."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     ids = torch.tensor([3, 1, 3, 3, 0, 1, 3])                # row 3 four times: ranks 1..4
     values = torch.randn(ids.numel(), 8, dtype=torch.float64)
-    with Ops() as seen:
+    with OpNames() as seen:
         sum_rows_in_order(values, ids, 5)
     assert seen.names.count("add_") == 3 and "copy_" not in seen.names
     acc, more = torch.zeros(4, 8), torch.ones(2, 8)
-    with Ops() as augmented:
+    with OpNames() as augmented:
         acc[:2] += more
     assert augmented.names.count("copy_") == 1
 
@@ -187,21 +189,10 @@ def test_negative_control_a_sum_that_starts_from_its_first_entry_keeps_a_negativ
 def test_the_segmented_schedule_takes_the_same_ops_whatever_the_duplicates():
     """CUDA's schedule launches a fixed number of kernels: a row repeated 4 or 40 times costs the same ops (control:
     the rank schedule takes one more add per rank)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     def ops(schedule, repeats):
         ids = torch.cat((torch.full((repeats,), 3), torch.tensor([1, 0, -1])))
         runs = row_runs(ids, 5)
-        with Ops() as seen:
+        with OpNames() as seen:
             schedule(torch.randn(ids.numel(), 8, dtype=torch.float64), *runs)
         return seen.names
 
