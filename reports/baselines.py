@@ -7,9 +7,10 @@
   reference) and, when the run row has one, ``impl_info`` (the implementation's self-description, e.g.
   ``--impl megatron``'s revision, provider, stand-ins and kernel versions).
 * ``gate.json``   — optional :class:`reports.drift.GateConfig` overrides for comparisons against this baseline.
-* ``memory.csv``  — on a GPU: each case's peak GPU memory in that run (``case_id,peak_gpu_bytes``, the largest of
-  its phases' ``peak_gpu_bytes``), which later runs of the same path on that GPU read as the expected peak of the
-  worker pool's memory admission (:func:`measured_peaks`, ``parity.run.memory.expected_gpu_bytes``).
+* ``memory.csv``  — on a GPU: each case's peak GPU memory in that run (``case_id,peak_gpu_bytes``, and
+  ``peak_gpu_reserved_bytes`` since 2026-12-07: the largest of its phases' PyTorch allocations, and of what the
+  caching allocator held from the GPU for them), which later runs of the same path on that GPU read as the expected
+  peak of the worker pool's memory admission (:func:`measured_peaks`, ``parity.run.memory.expected_gpu_bytes``).
 
 ``<arch>`` is :func:`arch_of` the run's GPU (``cpu`` without one, ``h200`` for "NVIDIA H200", ...). ``<name>`` is
 :func:`default_name`: ``<suite>`` for ``--impl fused``, ``<impl>-<provider>-<suite>`` for another implementation
@@ -256,18 +257,25 @@ def name_for(suite: str, impl: str | None, provider: str | None) -> str:
     return f"{impl}-{provider}-{suite}" if provider and provider not in ("auto", "none") else f"{impl}-{suite}"
 
 
-def case_peaks(results: Path) -> dict[str, int]:
-    """``{case_id: bytes}``: each case's largest ``peak_gpu_bytes`` over its phases in a ``results.jsonl``, for
-    the cases that ran to their verdict (``pass`` / ``fail`` / ``known``). Left out: cases without the field (a CPU
-    run), ``error`` cases (a phase that ran out of memory or raised records only what it held before: less than
-    the case needs) and ``unsupported`` ones (declined before their work)."""
-    peaks: dict[str, int] = {}
-    for _, row in read_rows(results)[0]:
-        ran = row.get("type") == "case" and row.get("outcome") in ("pass", "fail", "known")
-        phases = row.get("peak_gpu_bytes") if ran else None
+def case_peaks(results: Path) -> dict[str, tuple[int, int]]:
+    """``{case_id: (allocated, reserved)}``: each case's largest ``peak_gpu_bytes`` and largest
+    ``peak_gpu_reserved_bytes`` (0 where the rows have none) over its phases in a ``results.jsonl``, for the cases
+    that ran to their verdict (``pass`` / ``fail`` / ``known``). Left out: cases without ``peak_gpu_bytes`` (a CPU
+    run), ``error`` cases (a phase that ran out of memory or raised records only what it held before: less than the
+    case needs) and ``unsupported`` ones (declined before their work)."""
+
+    def largest(phases) -> int:
         values = [v for v in phases.values() if isinstance(v, (int, float))] if isinstance(phases, dict) else []
-        if values and row.get("case_id"):
-            peaks[str(row["case_id"])] = max(peaks.get(str(row["case_id"]), 0), int(max(values)))
+        return int(max(values)) if values else 0
+
+    peaks: dict[str, tuple[int, int]] = {}
+    for _, row in read_rows(results)[0]:
+        if row.get("type") != "case" or row.get("outcome") not in ("pass", "fail", "known") or not row.get("case_id"):
+            continue
+        allocated, reserved = largest(row.get("peak_gpu_bytes")), largest(row.get("peak_gpu_reserved_bytes"))
+        if allocated:
+            before = peaks.get(str(row["case_id"]), (0, 0))
+            peaks[str(row["case_id"])] = (max(before[0], allocated), max(before[1], reserved))
     return peaks
 
 
@@ -279,12 +287,18 @@ SAME_ALLOCATIONS = {"h100": ("h200",), "h200": ("h100",)}
 
 def measured_peaks(arch: str, name: str, root: Path = BASELINES_ROOT) -> dict[str, int]:
     """The ``memory.csv`` of baseline ``<arch>/<name>`` as ``{case_id: bytes}``; where that GPU has none, the one of
-    a GPU of :data:`SAME_ALLOCATIONS`; {} where there is none."""
+    a GPU of :data:`SAME_ALLOCATIONS`; {} where there is none. A case's bytes are its reserved peak where the file
+    has one (what its process held from the GPU: on the H100's fused gate of 2026-12-07 1.26× its allocations at the
+    median and up to 1.53× on the cases that ran out of memory beside others), else its allocated peak (files
+    written before reserved peaks were kept)."""
     for source in (arch, *SAME_ALLOCATIONS.get(arch, ())):
         path = root / source / name / PEAKS_NAME
         if path.is_file():
             table = pd.read_csv(path, dtype={"case_id": str})
-            return {str(c): int(b) for c, b in zip(table["case_id"], table["peak_gpu_bytes"])}
+            reserved = (table["peak_gpu_reserved_bytes"] if "peak_gpu_reserved_bytes" in table
+                        else [0] * len(table))
+            return {str(c): int(r) if r and r > 0 else int(b)
+                    for c, b, r in zip(table["case_id"], table["peak_gpu_bytes"], reserved)}
     return {}
 
 
@@ -313,7 +327,8 @@ def save_baseline(data: RunData, table: pd.DataFrame, name: str, *, root: Path =
         (target / GATE_NAME).write_text(json.dumps(gate.to_dict(), indent=2, sort_keys=True) + "\n")
     peaks = case_peaks(data.path)
     if peaks:
-        pd.DataFrame(sorted(peaks.items()), columns=["case_id", "peak_gpu_bytes"]).to_csv(
+        pd.DataFrame([(case, a, r) for case, (a, r) in sorted(peaks.items())],
+                     columns=["case_id", "peak_gpu_bytes", "peak_gpu_reserved_bytes"]).to_csv(
             target / PEAKS_NAME, index=False)
     elif (target / PEAKS_NAME).is_file():
         (target / PEAKS_NAME).unlink()  # retaken without GPU peaks: the old ones describe another run

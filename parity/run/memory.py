@@ -142,8 +142,11 @@ def _compressed_keys_per_row(case: Case) -> int:
     return case.layout.max_seqlen // c.compress_ratio if c.compress_ratio > 1 else 0
 
 
-#: A measured peak (PyTorch's largest allocation of the case's phases) times this, plus :data:`MEASURED_SLACK`
-#: bytes, is its expected peak: the allocator's cached-but-free blocks and the libraries' workspaces come on top.
+#: A measured peak times this, plus :data:`MEASURED_SLACK` bytes, is its expected peak. The peak is what the
+#: caching allocator held from the GPU where the baseline kept it, else PyTorch's largest allocation (then the
+#: allocator's cached-but-free blocks come on top: 1.26× the allocations at the median on the H100's fused gate of
+#: 2026-12-07, up to 1.53× on its cases that ran out of memory beside others); the libraries' own workspaces come on
+#: top of either (:func:`reports.baselines.measured_peaks`).
 MEASURED_MARGIN = 1.15
 MEASURED_SLACK = 512 << 20
 

@@ -126,3 +126,24 @@ def test_the_h100s_measured_unfused_peaks_stand_for_the_h200_and_fit_it():
     assert max(measured.values()) < capacity
     heavy = [c for c in peaks if modelled[c] > capacity / 2]
     assert len(heavy) >= 10 and all(measured[c] < modelled[c] for c in heavy)
+
+
+def test_the_h100s_fused_gate_peaks_are_what_its_processes_held_and_keep_its_largest_cases_apart():
+    """``h100/gate/memory.csv`` (the fused gate on an H100, 2026-12-07, 204 cases run; 6 of them had run out of
+    memory beside five others, the gate admitting by nothing) keeps what each case's allocator held from the GPU,
+    and that is what an H100 or H200 run of the fused gate admits by: the reserved peak, above the allocations on
+    every case; the H100 runs at most two of the largest cases together and the H200 at most four; the smallest
+    still share (control)."""
+    import pandas as pd
+
+    from reports.baselines import BASELINES_ROOT, PEAKS_NAME, measured_peaks
+
+    table = pd.read_csv(BASELINES_ROOT / "h100" / "gate" / PEAKS_NAME, dtype={"case_id": str})
+    assert len(table) == 204 and (table["peak_gpu_reserved_bytes"] >= table["peak_gpu_bytes"]).all()
+    peaks = measured_peaks("h200", "gate")
+    assert peaks == dict(zip(table["case_id"], table["peak_gpu_reserved_bytes"]))
+    cases = {c.id: c for c in load_suite("gate")}
+    weights = sorted((memory.expected_gpu_bytes(cases[cid], "fused", "cudnn", peaks) for cid in peaks), reverse=True)
+    h100, h200 = (memory.admission_capacity(int(gib * 2**30), 6) for gib in (79.18, 139.80))
+    assert sum(weights[:3]) > h100 and sum(weights[:5]) > h200
+    assert sum(weights[-6:]) < h100  # control: six small ones share either card

@@ -163,6 +163,17 @@ def test_a_gpu_runs_case_peaks_are_kept_beside_its_baseline_and_read_back(tmp_pa
     assert target == tmp_path / "b" / "h200" / "gate"
     peaks = measured_peaks("h200", "gate", root=tmp_path / "b")
     assert peaks == {cases[0]["case_id"]: 1 << 30, cases[1]["case_id"]: 3 << 30, cases[2]["case_id"]: 3 << 30}
+
+    # what the allocator held from the GPU, where the rows have it, is the peak read back (its allocations stay
+    # in the file beside it); a case without it keeps its allocated peak
+    cases[1]["peak_gpu_reserved_bytes"] = {"impl": 2 << 30, "reference": 5 << 30}
+    reserved = load_run(write_rows(rows, tmp_path / "gpu-reserved"))
+    reserved.run["env"] = {**reserved.env, "gpu": "NVIDIA H200"}
+    save_baseline(reserved, metrics_table(reserved), "gate-r", root=tmp_path / "b")
+    table = (tmp_path / "b" / "h200" / "gate-r" / PEAKS_NAME).read_text().splitlines()
+    assert table[0] == "case_id,peak_gpu_bytes,peak_gpu_reserved_bytes"
+    assert f"{cases[1]['case_id']},{3 << 30},{5 << 30}" in table
+    assert measured_peaks("h200", "gate-r", root=tmp_path / "b") == {**peaks, cases[1]["case_id"]: 5 << 30}
     assert measured_peaks("a100", "gate", root=tmp_path / "b") == {}  # another GPU's: none
     assert measured_peaks("h100", "gate", root=tmp_path / "b") == peaks  # the same sm90 kernels: the H200's stand in
     (tmp_path / "b" / "h100" / "gate").mkdir(parents=True)
