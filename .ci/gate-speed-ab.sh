@@ -28,14 +28,15 @@ old=/tmp/ab-old new="$PWD" cache=/tmp/dsv4-kernel-cache json=/tmp/ab-json
 # both trees admit cases to the GPU by the same measured peaks: the newer tree's memory.csv files (e.g. h100/gate,
 # recorded 2026-12-07) go into the older tree where it has none, or only the older tree would run cases out of memory
 # and re-run them alone (admission only: no value changes). An older tree reads peak_gpu_bytes alone, so its copy
-# carries the reserved peak there, which the newer tree admits by.
+# carries there the bytes this tree admits by (reports.baselines.measured_peaks: the reserved peak where kept).
 for peaks in reports/baselines/*/*/memory.csv; do
   [ -f "$peaks" ] && [ -d "$old/reports/baselines" ] && [ ! -f "$old/$peaks" ] && mkdir -p "$old/$(dirname "$peaks")" \
-    && python3 -c 'import sys, pandas as pd
-t = pd.read_csv(sys.argv[1], dtype={"case_id": str})
-if "peak_gpu_reserved_bytes" in t:
-    t["peak_gpu_bytes"] = t["peak_gpu_reserved_bytes"].where(t["peak_gpu_reserved_bytes"] > 0, t["peak_gpu_bytes"])
-t[["case_id", "peak_gpu_bytes"]].to_csv(sys.argv[2], index=False)' "$peaks" "$old/$peaks"
+    && python3 -c 'import sys
+from reports.baselines import measured_peaks
+arch, name = sys.argv[1].split("/")[-3:-1]
+with open(sys.argv[2], "w") as out:
+    out.write("case_id,peak_gpu_bytes\n" + "".join(f"{c},{b}\n" for c, b in sorted(measured_peaks(arch, name).items())))
+' "$peaks" "$old/$peaks"
 done
 mkdir -p "$json"
 i=0

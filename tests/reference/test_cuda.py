@@ -156,6 +156,8 @@ def test_both_gather_gradient_schedules_agree_bit_for_bit_on_the_gpu():
     CPU's (float64, float32, bfloat16; magnitudes far apart, ``-0.0`` entries; control: the reversed order differs)."""
     from reference.sparse_attention import row_runs, sum_runs_by_rank, sum_runs_by_segments
 
+    from .test_gather_rows import bits
+
     g = torch.Generator().manual_seed(5)
     M, rows, D = 3000, 50, 64
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
@@ -167,7 +169,6 @@ def test_both_gather_gradient_schedules_agree_bit_for_bit_on_the_gpu():
         segments = sum_runs_by_segments(cv, *row_runs(ci, rows)).cpu()
         by_rank = sum_runs_by_rank(cv, *row_runs(ci, rows)).cpu()
         reversed_order = sum_runs_by_segments(cv.flip(0), *row_runs(ci.flip(0), rows)).cpu()
-        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
-        assert torch.equal(segments.view(as_int), by_rank.view(as_int)), dtype
-        assert torch.equal(segments.view(as_int), on_cpu.view(as_int)), dtype
+        assert torch.equal(bits(segments), bits(by_rank)), dtype
+        assert torch.equal(bits(segments), bits(on_cpu)), dtype
         assert not torch.equal(reversed_order, segments), dtype
