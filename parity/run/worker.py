@@ -21,13 +21,18 @@ with other workers of the pool, is not yielded: it is re-run once *alone on that
 shows that the case needs more memory than the whole GPU (what it held plus what it asked for, over the total
 capacity: :func:`parity.run.out_of_memory.beyond_device`); such a row is yielded at once, its message saying so
 (a re-run alone would run out again, and it would hold the device's other workers back). As soon as such a retry is
-pending, no new job goes to that device; when none of its workers is busy any more, the device's idle children are
-stopped, the one taking the re-run included (an idle child keeps its CUDA context, loaded kernels and the caching
-allocator's blocks): the job runs again in a fresh child and
-the device's other workers wait until it ends. Its answer is yielded whatever its outcome, the case row carrying the
-additive field ``retried: "out of memory while sharing <device> with <k> workers; re-run alone"`` (``k``: the pool's
-workers on that device); where the implementation's own run (the row's ``failed_at``) ran out of memory again, alone,
-within 10 % of the GPU's capacity by torch's numbers and with no other process named as holding memory
+pending, no new job goes to that device; when none of its workers is busy any more, the job runs again on one of
+them, and the device's other workers wait until it ends. Their idle children stay up: each gave its cached blocks
+back after its last case, so it holds its CUDA context and what it keeps between cases (about a GiB or two), and
+stopping it would cost a process start, torch and every kernel loaded again, for each worker after each re-run (32
+processes for 6 workers on an H100 gate of 2026-12-07 with six re-runs). Only where that re-run runs out of memory
+too does the device's every idle child stop, and the job runs a third time, alone on the GPU in a fresh child (a
+*strict* re-run; an idle child keeps its CUDA context, loaded kernels and whatever it holds between cases). Its
+answer is yielded whatever its outcome, the case row carrying the additive field ``retried: "out of memory while
+sharing <device> with <k> workers; re-run alone"`` (``k``: the pool's workers on that device; after a strict re-run
+``…; re-run alone; out of memory again beside the idle workers: re-run with them stopped``); where the
+implementation's own run (the row's ``failed_at``) ran out of memory in the strict re-run, within 10 % of the GPU's
+capacity by torch's numbers and with no other process named as holding memory
 (:func:`parity.run.out_of_memory.plausible_need`), the case does not fit that GPU and the row becomes ``unsupported``
 (rule ``device-memory``), as it does on a GPU with one worker. Other devices keep taking jobs meanwhile. A retried job was already handed out, so it is
 not read again from ``jobs``: a time budget that stops ``jobs`` does not stop a pending retry. With one worker per
@@ -124,6 +129,7 @@ class _Job:
     backfilled: bool = False  # started past a waiting job, in room that job could not use (memory admission)
     waited: bool = False  # found no room when it was first weighed (counted once in WorkerPool.waited)
     first_run: bool = False  # a pending run alone that has not run before (a stop drops it, unlike a re-run)
+    strict: bool = False  # a run alone with the device's idle children stopped, in a fresh child
 
 
 class Worker:
@@ -331,7 +337,7 @@ class WorkerPool:
             """``job`` (heavier than a device lends its workers) as a run alone on ``device``."""
             return _Job(job.key, job.request, f"expected to need more than the {self.capacity / 2**30:.0f} GiB "
                         f"{device} lends its {sharing[device]} workers; run alone", device, job.weight,
-                        first_run=True)
+                        first_run=True, strict=True)
 
         def open_to(other) -> bool:
             """Whether an idle worker of device ``other`` may take a new job now (no run alone there, none due)."""
@@ -403,11 +409,14 @@ class WorkerPool:
             if retry is not None:  # no new job on this device until it has run
                 if any(labels[j] == device for j in busy):
                     return None  # wait until the device is idle
+                if not retry.strict and not self.workers[i].alive and any(
+                        labels[j] == device and self.workers[j].alive for j in range(len(self.workers))):
+                    return None  # an idle worker of the device whose child is up takes it: no process start
                 retries.remove(retry)
                 alone[device] = i
                 for j, other in enumerate(self.workers):
-                    if labels[j] == device and other.alive:  # its own child too: the retry starts a fresh one
-                        other.stop()  # an idle child still holds its CUDA context and cached blocks
+                    if retry.strict and labels[j] == device and other.alive:  # its own child too: a fresh one
+                        other.stop()  # an idle child still holds its CUDA context and what it keeps between cases
                 return retry
             if halted:
                 return None
@@ -458,9 +467,14 @@ class WorkerPool:
                         note = f"out of memory while sharing {device} with {sharing[device]} workers; re-run alone"
                         retries.append(_Job(job.key, job.request, note, device, job.weight))
                         continue
+                    if rows and job.retried is not None and not job.strict and is_out_of_memory(rows[0]) \
+                            and _note_beyond_device(rows[0]) is None:  # beside idle children: once more without
+                        note = f"{job.retried}; out of memory again beside the idle workers: re-run with them stopped"
+                        retries.append(_Job(job.key, job.request, note, device, job.weight, strict=True))
+                        continue
                     if rows and job.retried is not None:
                         rows[0]["retried"] = job.retried
-                    if rows and (job.retried is not None or sharing[device] == 1):  # it had the GPU to itself
+                    if rows and (job.strict or sharing[device] == 1):  # it had the GPU to itself
                         _alone_does_not_fit(rows[0])
                     yield Finished(job.key, rows, why, w.slot, job.retried)
                 now = time.monotonic()

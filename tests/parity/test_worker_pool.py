@@ -260,22 +260,40 @@ def test_out_of_memory_on_a_shared_gpu_is_re_run_alone_on_it(tmp_path):
         if e[0] == "start" and e[3] == "0" and e[1] != "big":
             assert any(x[:2] == ("end", e[1]) for x in log[n:retry]), f"{e[1]} still ran on GPU 0 at the retry"
     assert [e for e in log[retry + 1:retry_end] if e[3] == "0"] == []
-    # the other idle child of GPU 0 was stopped before the retry (it would hold GPU memory)
+    # the other idle child of GPU 0 stayed up for the re-run (it gave its cached blocks back after its case)
     alive_at_retry = [alive for key, _, alive in started if key == "big"][1]
-    assert alive_at_retry[2] is False
+    assert alive_at_retry[2] is True
 
 
-def test_the_idle_children_of_the_gpu_are_stopped_for_the_retry(tmp_path):
+def test_a_re_run_keeps_the_idle_children_and_only_a_second_out_of_memory_stops_them(tmp_path):
+    """The re-run alone goes to an idle worker of the GPU whose child stays up, as do its siblings' (no process
+    start, no kernels loaded again); a re-run that runs out of memory again runs a third time with every idle child
+    of the GPU stopped, in a fresh child (strict). Control: the first re-run's own child had run a case before."""
     slots = plan_slots(2, "cuda", tokens=["0"], cpu_count=8)
     items = oom_jobs(tmp_path, ("big", "oom_once", 0.3), ("a", "pass", 0.0))
     started = []
     done = run_list(WorkerPool(slots, timeout=30, command=CHILD), items, started)
     assert sorted(f.key for f in done) == ["a", "big"]
     assert started[0][:2] == ("big", "cuda:0") and started[1][:2] == ("a", "cuda:0")
-    assert started[2][0] == "big" and started[2][2] == [False, False]  # worker 1 ran "a", then was stopped
-    assert started[1][2] == [True, False]  # negative control: before that, its sibling's child was running
+    assert started[2][0] == "big" and started[2][2] == [False, True]  # "big"'s child stopped (an error), "a"'s up
     pids = {f.key: f.rows[0]["pid"] for f in done}
-    assert pids["big"] != pids["a"]
+    assert pids["big"] == pids["a"]  # the re-run ran in the child that ran "a": no process started for it
+
+    (tmp_path / "twice").mkdir()
+    again = {"then": "oom", "flag": str(tmp_path / "twice" / "flag")}
+    items = oom_jobs(tmp_path / "twice", ("big", "oom_once", 0.3, again), ("a", "pass", 0.0))
+    started = []
+    pool = WorkerPool(slots, timeout=30, command=CHILD)
+    done = run_list(pool, items, started)
+    big = next(f for f in done if f.key == "big")
+    assert [key for key, _, _ in started] == ["big", "a", "big", "big"]
+    assert started[2][2] == [False, True] and started[3][2] == [False, False]  # the strict re-run: none up
+    runs = [e for e in events(tmp_path / "twice") if e[1] == "big"]
+    assert [e[0] for e in runs] == ["start", "end"] * 3
+    assert runs[4][2] not in {e[2] for e in events(tmp_path / "twice")[:events(tmp_path / "twice").index(runs[4])]}
+    assert big.rows[0]["retried"] == ("out of memory while sharing cuda:0 with 2 workers; re-run alone; out of memory "
+                                      "again beside the idle workers: re-run with them stopped")
+    assert big.rows[0]["outcome"] == "error" and is_out_of_memory(big.rows[0])
 
 
 @pytest.mark.parametrize("slots", [plan_slots(2, "cuda", tokens=["0", "1"]), plan_slots(1, "cuda", tokens=["0"])],
@@ -305,8 +323,9 @@ def test_a_retry_that_runs_out_of_memory_again_is_yielded(tmp_path):
     assert sorted(f.key for f in done) == ["oom", "p0", "p1", "p2", "p3"]  # once each: no second retry, no loop
     oom = next(f for f in done if f.key == "oom")
     assert oom.rows[0]["outcome"] == "error" and is_out_of_memory(oom.rows[0])
-    assert oom.rows[0]["retried"] == "out of memory while sharing cuda:0 with 2 workers; re-run alone"
-    assert [e[0] for e in events(tmp_path) if e[1] == "oom"] == ["start", "end", "start", "end"]
+    assert oom.rows[0]["retried"] == ("out of memory while sharing cuda:0 with 2 workers; re-run alone; out of memory "
+                                      "again beside the idle workers: re-run with them stopped")
+    assert [e[0] for e in events(tmp_path) if e[1] == "oom"] == ["start", "end"] * 3  # shared, alone, strict
 
 
 def test_the_implementation_running_out_of_memory_alone_on_the_gpu_does_not_fit_it(tmp_path):
@@ -327,9 +346,10 @@ def test_the_implementation_running_out_of_memory_alone_on_the_gpu_does_not_fit_
                               "memory (held + asked when it ran out); a larger GPU runs it")
     assert row["first_failure"]["message"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 18.83")
     runs = [e for e in events(tmp_path) if e[1] == "impl"]
-    assert [e[0] for e in runs] == ["start", "end", "start", "end"]  # re-run first
-    first_pids = {e[2] for e in events(tmp_path)[:events(tmp_path).index(runs[2])]}
-    assert runs[2][2] not in first_pids  # the re-run alone started in a child that had run nothing before
+    assert [e[0] for e in runs] == ["start", "end"] * 3  # re-run beside the idle children, then without them
+    first_pids = {e[2] for e in events(tmp_path)[:events(tmp_path).index(runs[4])]}
+    assert runs[4][2] not in first_pids  # the strict re-run started in a child that had run nothing before
+    assert done["impl"].rows[0]["retried"].endswith("re-run with them stopped")
     assert done["ref"].rows[0]["outcome"] == "error" and done["ref"].rows[0]["retried"]
     assert done["held"].rows[0]["outcome"] == "error" and done["held"].rows[0]["retried"]
     # one worker on the GPU: no re-run, the first answer had the GPU to itself
@@ -569,8 +589,9 @@ def test_a_job_heavier_than_the_gpu_lends_runs_alone_once_in_a_fresh_child(tmp_p
     items = oom_jobs(tmp_path / "c", ("a", "pass", 0.05), ("huge", "oom_alone", 0.0, impl), ("b", "pass", 0.0))
     pool = WorkerPool(slots, timeout=30, command=CHILD, weigh=lambda k: weights[k] * GIB, capacity=10 * GIB)
     done = {f.key: f for f in run_list(pool, items)}
-    assert done["huge"].rows[0]["retried"] == "out of memory while sharing cuda:0 with 2 workers; re-run alone"
-    assert [e[0] for e in events(tmp_path / "c") if e[1] == "huge"] == ["start", "end", "start", "end"]
+    assert done["huge"].rows[0]["retried"] == ("out of memory while sharing cuda:0 with 2 workers; re-run alone; out "
+                                               "of memory again beside the idle workers: re-run with them stopped")
+    assert [e[0] for e in events(tmp_path / "c") if e[1] == "huge"] == ["start", "end"] * 3
 
 
 def test_backfill_runs_small_jobs_beside_a_waiting_large_one_and_never_delays_it():
