@@ -7,6 +7,8 @@
 #   ORDER (default "new:cold new:warm old:warm new:warm old:warm"): tree:run steps; cold empties the cache first (the
 #        fused kernels compile the same way in both trees, so the cache one tree fills serves the other)
 #   IMPL (default fused): the bench's --gate-impl (megatron: production's gate; carry its snapshot in .mg)
+#   AB_START (default 0): steps are numbered from AB_START + 1 (a later call on the same warm machine continuing the
+#        order: ORDER="new:cold old:warm" first, then AB_START=2 ORDER="new:warm", so no step's directory is reused)
 #   SUITE, LIMIT, PROVIDER (default gate, all, the bench's): --gate-suite / --gate-limit / --gate-provider (a CPU try-out:
 #        SUITE=smoke LIMIT=2 PROVIDER=auto)
 # Each step is `bench --sections gate --gate-runs RUN` in that tree: a line in $OUT/summary.txt (wall, outcomes,
@@ -39,7 +41,7 @@ with open(sys.argv[2], "w") as out:
 ' "$peaks" "$old/$peaks"
 done
 mkdir -p "$json"
-i=0
+i="${AB_START:-0}"
 for step in $order; do
   i=$((i + 1)) which="${step%%:*}" run="${step#*:}"
   [ "$which" = old ] && tree="$old" || tree="$new"
