@@ -369,3 +369,24 @@ def test_time_call_starts_no_repeat_that_would_end_past_the_deadline(monkeypatch
     assert len(timing.seconds) == 2 and clock[0] <= 2.5  # a third repeat would have ended at 3.0
     clock[0] = 0.0
     assert len(bench_measure.time_call(fn, "cpu", warmup=0, repeats=10, target_s=100.0, deadline=None).seconds) == 10
+
+
+def test_the_gate_target_is_judged_only_on_the_h200_it_names():
+    """The PR gate's wall-time targets are one H200's: the same whole-gate run on another card is reported with its
+    minutes and not judged; on an H200 it is (control), met or missed by the run's own ``met``."""
+    settings = _cpu_settings()
+    settings.device = "cuda"  # the report's device (no GPU needed to judge a report)
+    run = {"run": "warm", "wall_s": 93.2, "target_s": 60.0, "met": False, "cases": 227, "outcomes": {"pass": 204},
+           "exit_code": 0, "compile": {"totals": {}}}
+    name = "PR gate, warm compiled-kernel cache, one H200"
+
+    def judged(gpu):
+        report = {"env": {"gpu": gpu}, "machine": {}, "e2e": [], "gate": {"suite": "gate", "runs": [dict(run)]}}
+        return {t["name"]: t for t in bench.evaluate_targets(report, settings)}[name]
+
+    h100 = judged("NVIDIA H100 80GB HBM3")
+    assert h100["status"] == "not judged"
+    assert "on an NVIDIA H100 80GB HBM3: the target is one H200's, not judged" in h100["note"]
+    assert h100["measured"] == 1.55
+    h200 = judged("NVIDIA H200")
+    assert h200["status"] == "missed" and "not judged" not in h200["note"]
