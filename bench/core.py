@@ -75,6 +75,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from cases.errors import CaseError
+from reports.baselines import arch_of
 
 from bench.breakdown import profile_step
 from bench.flops import H200_BF16_PEAK_TFLOPS, kernel_flops, tflops
@@ -798,9 +799,10 @@ def evaluate_targets(report: dict, s: Settings) -> list[dict]:
                            f"composition's device work"))
     gate = report.get("gate") or {}
     whole_gate = gate.get("suite") == "gate" and not gate.get("limit") and s.device == "cuda"
-    gpu = str((report.get("env") or {}).get("gpu") or "")
+    gpu = (report.get("env") or {}).get("gpu")
     # the targets are one H200's: another card's seconds are a measurement, not a verdict on them
-    other_card = f" (on an {gpu}: the target is one H200's, not judged)" if gpu and "H200" not in gpu else ""
+    other_card = f" (on an {gpu}: the target is one H200's, not judged)" if gpu and arch_of({"gpu": gpu}) != "h200" \
+        else ""
     for run in gate.get("runs", []):
         if run.get("target_s") is not None and "wall_s" in run:
             again = f" (run {run['repeat']})" if run.get("repeat", 1) > 1 else ""

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 #: the Python modules each provider's kernels come from (a missing one is reported, not fatal)
 LIBRARIES = {"cudnn": ("cudnn", "cutlass.cute", "flash_mla"), "flashmla": ("flash_mla",)}
 
@@ -44,10 +45,9 @@ def child(order: str, provider: str, case_id: str, suite: str) -> None:
     import torch
 
     mark("import torch")
-    sys.path.insert(0, str(REPO))
     from dataclasses import asdict
 
-    from cases.suites import load_suite
+    from cases.suites import find_case
     from parity.engine import RunOptions, configure_torch
     from parity.run.execution import execute
 
@@ -67,7 +67,7 @@ def child(order: str, provider: str, case_id: str, suite: str) -> None:
                 mark(f"import {name}")
             except Exception as exc:  # noqa: BLE001 — a library this machine lacks: said, not fatal
                 mark(f"import {name}: {type(exc).__name__}")
-    case = next(c for c in load_suite(suite) if c.id == case_id)
+    case = find_case(suite, case_id)
     request = {"case": case.to_dict(), "options": asdict(RunOptions(provider=provider)), "oracle": None}
     runs = []
     for n in (1, 2):
@@ -79,7 +79,6 @@ def child(order: str, provider: str, case_id: str, suite: str) -> None:
 
 def smallest_case(suite: str) -> str:
     """The id of the suite's smallest bf16 training case with an indexer loss (every phase runs, sign-split too)."""
-    sys.path.insert(0, str(REPO))
     from cases.suites import load_suite
     from parity.run.memory import input_bytes
 

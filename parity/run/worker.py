@@ -461,16 +461,17 @@ class WorkerPool:
                         w.stop()  # a poisoned CUDA context must not run the next case
                     device = labels[i]
                     shared = job.retried is None and sharing[device] > 1  # it ran beside other workers
+                    # or it was a re-run alone beside the device's idle children: the next one runs without them
+                    again = rows and (shared or (job.retried is not None and not job.strict)) \
+                        and is_out_of_memory(rows[0])
                     # (the note "not re-run alone" only where a re-run alone was in question)
-                    beyond = _note_beyond_device(rows[0]) if rows and shared and is_out_of_memory(rows[0]) else None
-                    if rows and shared and is_out_of_memory(rows[0]) and beyond is None:
-                        note = f"out of memory while sharing {device} with {sharing[device]} workers; re-run alone"
-                        retries.append(_Job(job.key, job.request, note, device, job.weight))
-                        continue
-                    if rows and job.retried is not None and not job.strict and is_out_of_memory(rows[0]) \
-                            and _note_beyond_device(rows[0]) is None:  # beside idle children: once more without
-                        note = f"{job.retried}; out of memory again beside the idle workers: re-run with them stopped"
-                        retries.append(_Job(job.key, job.request, note, device, job.weight, strict=True))
+                    if again and _note_beyond_device(rows[0]) is None:
+                        if shared:
+                            note = f"out of memory while sharing {device} with {sharing[device]} workers; re-run alone"
+                        else:
+                            note = f"{job.retried}; out of memory again beside the idle workers: re-run with them " \
+                                   "stopped"
+                        retries.append(_Job(job.key, job.request, note, device, job.weight, strict=not shared))
                         continue
                     if rows and job.retried is not None:
                         rows[0]["retried"] = job.retried
