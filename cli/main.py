@@ -186,8 +186,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     torch_free = getattr(args, "torch_free", False)
+    args.prestart = None
     try:
         precheck(args)
+        if args.command == "run":  # its workers start now, beside torch's import here (parity.run.prestart)
+            from parity.run.prestart import begin
+
+            args.prestart = begin(args)
         if not (torch_free(args) if callable(torch_free) else torch_free):
             load_torch()
         return int(args.func(args) or 0)
@@ -202,6 +207,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `dsv4-parity run ... | head`: the reader left; the results file is complete
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        if args.prestart is not None:  # children no run took (a usage error, an interrupted run)
+            args.prestart.close()
 
 
 if __name__ == "__main__":

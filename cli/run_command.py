@@ -23,7 +23,7 @@ from parity.run import resume as resume_mod
 from parity.run.memory import check_memory
 from parity.run.results import summary_line
 from parity.run.runner import RunConfig, new_run_id, resolve_out_dir, resolved_provider, resume_command, run
-from parity.run.shard import parse_workers
+from parity.run.usage import parse_workers
 from parity.run.usage import check_run_options
 
 from cli import report_command
@@ -184,7 +184,7 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
                        threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None),
                        force=getattr(args, "force", False), link=link, selection=selection_record(label, cases),
                        peaks=measured_peaks(label, options) if oracle is None else None,
-                       gate=_gate_manifest(args))
+                       gate=_gate_manifest(args), prestart=getattr(args, "prestart", None))
     counts, code = run(cases, config)
     _say(_closing_line(counts, len(cases), code, out_dir, oracle))
     return counts, code, out_dir, link

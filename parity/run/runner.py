@@ -8,7 +8,7 @@ child, :mod:`parity.run.worker`, calls too):
 * ``resume``: keeps the finished cases of an existing ``results.jsonl`` and runs only the others;
 * isolation ``none`` (in-process, the CPU default), ``worker`` (a child process replaced after any error or crash,
   the GPU default) or ``case`` (a fresh child per case);
-* ``workers`` (``--workers N|auto``, :mod:`parity.run.shard`): N child processes, on CUDA each pinned to one visible
+* ``workers`` (``--workers N|auto``, :mod:`parity.run.placement`): N child processes, on CUDA each pinned to one visible
   GPU (``CUDA_VISIBLE_DEVICES``; ``auto`` puts up to 6 on a GPU), fed from one queue ordered by estimated cost; the
   parent alone writes the one ``results.jsonl`` as cases finish (completion order). The ``run`` row records
   ``workers``, ``devices`` and ``threads``; every ``case`` row the ``worker`` (slot index) and ``device`` (``cpu`` /
@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -42,14 +42,14 @@ from cases.errors import CaseError
 
 from parity import names
 from parity.engine import RunOptions
-from parity.run import memory, results, shard
+from parity.run import memory, placement, results, shard
 from parity.run.environment import environment, environment_changes
 from parity.run.execution import error_rows, execute, load_impl
 from parity.run.junit import write_junit
 from parity.run.progress import Progress
 from parity.run.rundir import check_writable_file, prepare
-from parity.run.shard import Slot
-from parity.run.worker import WorkerPool
+from parity.run.placement import Slot
+from parity.run.worker import WorkerPool, child_command, child_env, warm_spec
 
 REPO = names.REPO
 DEFAULT_OUT_ROOT = names.OUT_ROOT
@@ -122,14 +122,15 @@ class RunConfig:
     argv: Sequence[str] = ()
     run_id: str = ""
     quiet: bool = False
-    workers: Union[int, str] = 1  # N or "auto" (parity.run.shard.resolve_workers)
-    threads: Optional[int] = None  # intra-op threads per worker (default: parity.run.shard.plan_slots)
+    workers: Union[int, str] = 1  # N or "auto" (parity.run.placement.resolve_workers)
+    threads: Optional[int] = None  # intra-op threads per worker (default: parity.run.placement.plan_slots)
     budget_s: Optional[float] = None  # start no case after this many seconds; the rest is recorded as not run
     force: bool = False  # clear a non-empty out_dir instead of refusing it
     link: Optional[Path] = None  # a symlink (reports/out/latest) to point at out_dir once the run row is written
     selection: Optional[dict] = None  # how the cases were chosen, recorded on the run row for --resume
     peaks: Optional[dict] = None  # {case_id: bytes} measured on this GPU before (memory admission; the CLI reads it)
     gate: Optional[dict] = None  # the manifest of the one-path gate this run is (run row ``gate``: its --resume)
+    prestart: Optional[Any] = None  # worker children started before the run (parity.run.prestart.Prestart)
 
 
 def _isolation(config: RunConfig, workers: int) -> str:
@@ -151,14 +152,14 @@ def _tag(rows: list[dict], slot: Slot) -> list[dict]:
 def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
     """Run ``cases``; returns ``(counts, exit code)`` (2: the results could not be written)."""
     device = config.options.torch_device()
-    workers = shard.resolve_workers(config.workers, device)
+    workers = placement.resolve_workers(config.workers, device)
     mode = _isolation(config, workers)  # usage errors before anything is written
     if config.threads is not None and config.threads < 1:
         raise CaseError("threads", f"must be a positive integer, got {config.threads}")
     # the intra-op thread count is part of what a CPU result is (it sets the summation order of parallel
     # reductions): always an explicit number, recorded in the run row and re-applied by --resume
     threads = config.threads if config.threads is not None else (torch.get_num_threads() if workers == 1 else None)
-    slots = shard.plan_slots(workers, device, threads=threads)
+    slots = placement.plan_slots(workers, device, threads=threads)
     out_dir = config.out_dir
     path = out_dir / "results.jsonl"
     check_writable_file(config.junit, "junit")
@@ -169,22 +170,38 @@ def run(cases: Sequence[Case], config: RunConfig) -> tuple[dict, int]:
         rundir.close()
 
 
-def occupancy(spans: Sequence[float], workers: int, wall_s: float, processes: int, waited: int) -> dict:
+def occupancy(spans: Sequence[float], workers: int, wall_s: float, processes: int, waited: int,
+              prestarted: int = 0) -> dict:
     """How busy a run's workers were: ``case_s`` the summed spans of its cases (each from handed out to finished, in
     the parent: the child's start-up, a re-run alone's wait and the answer's transfer included), ``share`` that sum
     over ``workers`` × ``wall_s``, ``processes_started`` (worker children, replacements included),
-    ``waited_for_memory`` (cases that waited for GPU memory). The end row's ``occupancy``; a resumed run's covers its last invocation only."""
+    ``waited_for_memory`` (cases that waited for GPU memory), ``prestarted`` (of the children, those started before
+    the run's clock: :mod:`parity.run.prestart`). The end row's ``occupancy``; a resumed run's covers its last
+    invocation only."""
     busy = float(sum(spans))
     return {"workers": workers, "wall_s": round(wall_s, 3), "case_s": round(busy, 3),
             "share": round(busy / (workers * wall_s), 4) if workers and wall_s > 0 else None,
-            "processes_started": processes, "waited_for_memory": waited}
+            "processes_started": processes, "waited_for_memory": waited, "prestarted": prestarted}
+
+
+def _prestarted(config: RunConfig, wanted: list) -> Optional[list]:
+    """The children started before the run for the slots whose fresh children would be ``wanted`` (``(command,
+    env)`` each), None for a slot without one (:meth:`parity.run.prestart.Prestart.assign`: it stops the rest)."""
+    if config.prestart is None:
+        return None
+    spares, differs = config.prestart.assign(wanted)
+    if differs and not config.quiet:
+        print(f"note: {sum(s is None for s in spares)} of {len(spares)} worker(s) started anew: the children started "
+              f"early differ from this run's in {', '.join(differs)}", file=sys.stderr)
+    return spares
 
 
 def occupancy_line(o: dict) -> str:
     share = "-" if o.get("share") is None else f"{100 * o['share']:.0f} %"
     return (f"workers: {o['workers']} over {o['wall_s']:.0f} s, busy {share} (cases handed out to finished: "
-            f"{o['case_s']:.0f} s); {o['processes_started']} worker process(es) started, {o['waited_for_memory']} "
-            "case(s) waited for GPU memory")
+            f"{o['case_s']:.0f} s); {o['processes_started']} worker process(es) started"
+            + (f" ({o['prestarted']} before the run)" if o.get("prestarted") else "")
+            + f", {o['waited_for_memory']} case(s) waited for GPU memory")
 
 
 def _gpu_capacity(device: str) -> Optional[int]:
@@ -296,12 +313,17 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
     failure = None
     try:
         if mode == "none":
+            if config.prestart is not None:
+                config.prestart.close()
             for case in within_budget(todo):
                 starting(case)
                 finished(case, execute(request(case)), slots[0])
         else:
             used = slots[:max(1, min(workers, len(todo)))]
-            pool = WorkerPool(used, timeout=config.timeout, fresh=(mode == "case"), backfill=len(todo),
+            opts = config.options
+            warm = warm_spec(opts.impl, opts.against, opts.provider, device)
+            pool = WorkerPool(used, timeout=config.timeout, fresh=(mode == "case"), backfill=len(todo), warm=warm,
+                              spares=_prestarted(config, [(child_command(), child_env(s, warm)) for s in used]),
                               **_memory_admission(config.options, device, used, config.peaks))
             jobs = ((c, request(c)) for c in within_budget(todo))
             for done in pool.run(jobs, on_start=lambda c, _: starting(c), stop=spent):
@@ -336,7 +358,8 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
         return counts, 2
     end = {"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}
     end["occupancy"] = occupancy(spans, len(used) if pool is not None else 1, end["duration_s"],
-                                 pool.started if pool is not None else 0, pool.waited if pool is not None else 0)
+                                 pool.started if pool is not None else 0, pool.waited if pool is not None else 0,
+                                 pool.adopted if pool is not None else 0)
     if pool is not None and spans and not config.quiet:
         print(occupancy_line(end["occupancy"]), file=sys.stderr)
     if fixed:

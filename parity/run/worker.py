@@ -5,7 +5,7 @@ The child (``python -m parity.run.worker``) reads one request per line on stdin,
 ``@@dsv4-parity@@ <JSON list of result rows>``. Anything the libraries print goes to stderr (fd 1 is redirected),
 so the channel stays clean. ``DSV4_PARITY_THREADS`` in its environment sets its intra-op thread count.
 
-:class:`WorkerPool` keeps one child per :class:`parity.run.shard.Slot` (a device and an environment: the slot's
+:class:`WorkerPool` keeps one child per :class:`parity.run.placement.Slot` (a device and an environment: the slot's
 ``CUDA_VISIBLE_DEVICES`` pin and thread counts). :meth:`WorkerPool.run` hands the jobs out in the given order, each
 to the next idle slot, and yields every job as it finishes — so a parent writing them as they come keeps all
 finished cases when it is killed. Each job gets ``timeout`` seconds; a dead or hung child becomes that job's
@@ -62,6 +62,87 @@ MARK = "@@dsv4-parity@@ "
 REPO = Path(__file__).resolve().parents[2]
 THREADS_ENV = "DSV4_PARITY_THREADS"
 PARENT_ENV = "DSV4_PARITY_PARENT"
+#: what a child prepares before its first request (:func:`warm_up`): ``{"impl", "against", "provider", "device"}``
+WARM_ENV = "DSV4_PARITY_WARM"
+#: variables every worker child sets for itself, if unset, to a value that depends only on the rest of its
+#: environment: the determinism settings of :func:`parity.engine.configure_torch`, torch's ``CUDA_MODULE_LOADING``
+#: (set as CUDA starts) and the compile caches' directories (:func:`fused.kernels.compile_cache.configure_environment`,
+#: set before the CuTe DSL is imported). A parent that sets them after starting a child changes nothing for that
+#: child (:func:`same_child`).
+SELF_SET = frozenset({"CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_DETERMINISTIC", "CUDA_MODULE_LOADING",
+                      "CUTE_DSL_CACHE_DIR", "CUDNN_FRONTEND_COMPILED_CACHE", "TRITON_CACHE_DIR",
+                      "TORCHINDUCTOR_CACHE_DIR"})
+
+
+def child_command() -> list[str]:
+    """The worker child's command line."""
+    return [sys.executable, "-m", "parity.run.worker"]
+
+
+def warm_spec(impl: str, against: str, provider: str, device: str) -> str:
+    """The :data:`WARM_ENV` value of a run's children (one string: the children of one run share it)."""
+    return json.dumps({"impl": impl, "against": against, "provider": provider, "device": device}, sort_keys=True)
+
+
+def child_env(slot, warm: Optional[str] = None) -> dict:
+    """The environment of a worker child for ``slot`` (its pinning and thread counts) started now: this process's,
+    the slot's overrides, the parent's pid (:func:`_die_with_parent`), the repository on ``PYTHONPATH`` and what it
+    prepares before its first request (``warm``, :func:`warm_spec`)."""
+    env = dict(os.environ)
+    env.update(getattr(slot, "env", None) or {})
+    env[PARENT_ENV] = str(os.getpid())
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if warm is not None:
+        env[WARM_ENV] = warm
+    else:
+        env.pop(WARM_ENV, None)
+    return env
+
+
+def same_child(started: tuple[Sequence[str], dict], wanted: tuple[Sequence[str], dict]) -> list[str]:
+    """The variables (or ``command``) in which a child started with ``started = (command, env)`` differs from one
+    started now with ``wanted``; empty when it is the same child. A :data:`SELF_SET` variable that ``wanted`` has
+    and ``started`` lacks is no difference: the child sets it itself to the same value."""
+    if list(started[0]) != list(wanted[0]):
+        return ["command"]
+    old, new = started[1], wanted[1]
+    return sorted(k for k in set(old) | set(new)
+                  if old.get(k) != new.get(k) and not (k in SELF_SET and k not in old))
+
+
+@dataclass
+class Spawned:
+    """A worker child started with ``command`` and ``env``; ``stderr`` is the file its stderr goes to."""
+
+    command: list
+    env: dict
+    proc: subprocess.Popen
+    stderr: Any
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def spawn(command: Sequence[str], env: dict) -> Spawned:
+    """Start a worker child (stdin: requests, stdout: answers, stderr: a temporary file)."""
+    stderr = tempfile.TemporaryFile()
+    proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                            cwd=str(REPO), env=env)
+    return Spawned(list(command), env, proc, stderr)
+
+
+def _stop_spawned(child: Spawned) -> None:
+    """End a child that never got a request: killed at once (nothing runs in it), its pipes and file closed."""
+    if child.alive:
+        child.proc.kill()
+    child.proc.wait()
+    for pipe in (child.proc.stdin, child.proc.stdout):
+        try:
+            pipe.close()
+        except OSError:
+            pass
+    child.stderr.close()
 
 
 @dataclass
@@ -135,27 +216,34 @@ class _Job:
 class Worker:
     """One child process serving one slot; started lazily, replaced after a crash or an ``error`` answer."""
 
-    def __init__(self, slot, command: Optional[Sequence[str]] = None):
+    def __init__(self, slot, command: Optional[Sequence[str]] = None, warm: Optional[str] = None,
+                 spare: Optional[Spawned] = None):
         self.slot = slot
-        self.command = list(command) if command else [sys.executable, "-m", "parity.run.worker"]
+        self.command = list(command) if command else child_command()
+        self.warm = warm  # what the child prepares before its first request (WARM_ENV)
+        self.spare = spare  # a child started before the run for this slot (parity.run.prestart), taken first
         self.proc: Optional[subprocess.Popen] = None
         self.stderr = None
         self.pending = b""
         self.started = 0  # processes started for this slot (replacements included)
+        self.adopted = 0  # of those, children started before the run (0 or 1)
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
+        """A new child for the slot: the one started before the run when it is still up (once), else a fresh one."""
         self.stop()
-        self.stderr = tempfile.TemporaryFile()
-        env = dict(os.environ)
-        env.update(getattr(self.slot, "env", None) or {})
-        env[PARENT_ENV] = str(os.getpid())
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, cwd=str(REPO), env=env)
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.alive:
+            child = spare
+            self.adopted += 1
+        else:
+            if spare is not None:  # it died waiting (nothing ran in it): a fresh child takes its place
+                spare.stderr.close()
+            child = spawn(self.command, child_env(self.slot, self.warm))
+        self.proc, self.stderr = child.proc, child.stderr
         self.pending = b""  # answer bytes read so far (an answer may arrive in several reads)
         self.started += 1
 
@@ -250,8 +338,12 @@ class WorkerPool:
 
     def __init__(self, slots: Sequence = (None,), timeout: float = 1800.0, fresh: bool = False,
                  command: Optional[Sequence[str]] = None, weigh: Optional[Callable[[Any], int]] = None,
-                 capacity: Optional[int] = None, backfill: int = 0):
-        self.workers = [Worker(slot, command) for slot in slots]  # command: the child (tests use a fake)
+                 capacity: Optional[int] = None, backfill: int = 0, warm: Optional[str] = None,
+                 spares: Optional[Sequence[Optional[Spawned]]] = None):
+        spares = list(spares or [])
+        spares += [None] * (len(slots) - len(spares))
+        # command: the child (tests use a fake); spares: children started before the run, one per slot or None
+        self.workers = [Worker(slot, command, warm, spare) for slot, spare in zip(slots, spares)]
         self.timeout = timeout
         self.fresh = fresh
         self.weigh = weigh if (weigh is not None and capacity) else None
@@ -266,6 +358,11 @@ class WorkerPool:
         """Child processes started so far, replacements included."""
         return sum(w.started for w in self.workers)
 
+    @property
+    def adopted(self) -> int:
+        """Of :attr:`started`, the children that were started before the run (:mod:`parity.run.prestart`)."""
+        return sum(w.adopted for w in self.workers)
+
     def close(self) -> None:
         """Kill the children still running a case (an aborted run); stop the idle ones (EOF, in parallel)."""
         for i in list(self._busy):
@@ -279,6 +376,9 @@ class WorkerPool:
                     pass
         for w in self.workers:
             w.stop()
+            if w.spare is not None:  # a child started before the run that no job needed
+                _stop_spawned(w.spare)
+                w.spare = None
 
     def run(self, jobs: Iterable[tuple[Any, dict]], on_start: Optional[Callable[[Any, Any], None]] = None,
             stop: Optional[Callable[[], bool]] = None) -> Iterator[Finished]:
@@ -527,6 +627,33 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def warm_up(spec: str) -> None:
+    """Pay this process's one-time costs before its first request (``spec``: :func:`warm_spec`), so that they
+    overlap the parent's own start (:mod:`parity.run.prestart`) instead of delaying the first case: the
+    implementations and their kernel providers imported (each provider asked whether it runs here, which imports its
+    libraries: cuDNN Frontend, FlashMLA, production's tree), ``torch._dynamo`` imported (``torch.utils.checkpoint``
+    imports it on its first call: the reference's row blocks) and, on CUDA, the context made and the BLAS handle
+    created (one small product). Nothing here changes a result: each step is one the first case takes anyway. A step
+    that fails is left to the first case to report (one line on stderr here)."""
+    import torch
+
+    from parity.engine import one_line
+    from parity.run.execution import load_impl
+
+    try:
+        wanted = json.loads(spec)
+        for name in dict.fromkeys(n for n in (wanted.get("impl"), wanted.get("against")) if n):
+            load_impl(name).providers()
+        import torch._dynamo  # noqa: F401
+        if wanted.get("device") == "cuda" and torch.cuda.is_available():
+            block = torch.ones(64, 64, device="cuda")
+            (block @ block).sum().item()
+            del block
+            torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001 — the first case meets the same problem and reports it
+        print(f"warm-up: {one_line(exc)}", file=sys.stderr)
+
+
 def main() -> int:
     _die_with_parent()
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -540,6 +667,8 @@ def main() -> int:
     configure_torch()
     if os.environ.get(THREADS_ENV):
         torch.set_num_threads(max(1, int(os.environ[THREADS_ENV])))
+    if os.environ.get(WARM_ENV):
+        warm_up(os.environ[WARM_ENV])
 
     for line in sys.stdin:
         if not line.strip():

@@ -10,7 +10,7 @@ from cases.suites import load_suite
 from parity.engine import RunOptions
 from parity.run import memory, runner
 from parity.run.out_of_memory import least_need
-from parity.run.shard import plan_slots
+from parity.run.placement import plan_slots
 
 H100_RUN = Path(__file__).resolve().parents[2] / "reports/baselines/h100/megatron-pr-gate-20261206/cases.csv"
 

@@ -10,7 +10,7 @@ import pytest
 from cases.errors import CaseError
 from cases.layout import BshdLayout
 from cases.suites import load_suite
-from parity.run import shard
+from parity.run import placement, shard
 from cli.main import main
 from parity.compare_runs import compare, load
 from tests.parity.helpers import pick
@@ -27,13 +27,13 @@ def ids(*cases):
 # ---- worker count and placement --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("AUTO", "auto"), ("3", 3), (1, 1), (None, 1)])
 def test_workers_values(value, expected):
-    assert shard.parse_workers(value) == expected
+    assert placement.parse_workers(value) == expected
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5", 0])
 def test_bad_workers_values_name_the_field(value):
     with pytest.raises(CaseError, match="^workers: must be a positive integer or 'auto'"):
-        shard.parse_workers(value)
+        placement.parse_workers(value)
 
 
 @pytest.mark.parametrize("device, cores, gpus, expected", [
@@ -52,44 +52,44 @@ def test_bad_workers_values_name_the_field(value):
     ("cpu", 128, 8, 1),
 ])
 def test_auto_workers_per_gpu_follow_the_cores(device, cores, gpus, expected):
-    assert shard.auto_workers(device, gpus, cores) == expected
+    assert placement.auto_workers(device, gpus, cores) == expected
     tokens = [str(i) for i in range(gpus)]
-    assert shard.resolve_workers("auto", device, tokens=tokens, cpu_count=cores) == expected
+    assert placement.resolve_workers("auto", device, tokens=tokens, cpu_count=cores) == expected
 
 
 def test_auto_on_one_gpu_shares_it_with_two_threads_each():
-    workers = shard.resolve_workers("auto", "cuda", tokens=["3"], cpu_count=16)
-    slots = shard.plan_slots(workers, "cuda", tokens=["3"], cpu_count=16)
+    workers = placement.resolve_workers("auto", "cuda", tokens=["3"], cpu_count=16)
+    slots = placement.plan_slots(workers, "cuda", tokens=["3"], cpu_count=16)
     assert [s.device for s in slots] == ["cuda:3"] * 6
     assert {s.env["CUDA_VISIBLE_DEVICES"] for s in slots} == {"3"} and {s.threads for s in slots} == {2}
     assert set(slots[0].env) == {"CUDA_VISIBLE_DEVICES", "DSV4_PARITY_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"}
 
 
 def test_explicit_and_cpu_worker_counts():
-    assert shard.resolve_workers("auto", "cpu") == 1
-    assert shard.resolve_workers("4", "cpu") == 4  # an explicit N runs anywhere (CPU workers are testable)
-    assert shard.visible_cuda_devices(None, 3) == ["0", "1", "2"]
-    assert shard.visible_cuda_devices("2, 5", 2) == ["2", "5"]  # the parent's own pinning is respected
-    assert shard.visible_cuda_devices("2,5,7", 2) == ["2", "5"]  # only what CUDA enumerates
-    assert shard.visible_cuda_devices("", 4) == []
+    assert placement.resolve_workers("auto", "cpu") == 1
+    assert placement.resolve_workers("4", "cpu") == 4  # an explicit N runs anywhere (CPU workers are testable)
+    assert placement.visible_cuda_devices(None, 3) == ["0", "1", "2"]
+    assert placement.visible_cuda_devices("2, 5", 2) == ["2", "5"]  # the parent's own pinning is respected
+    assert placement.visible_cuda_devices("2,5,7", 2) == ["2", "5"]  # only what CUDA enumerates
+    assert placement.visible_cuda_devices("", 4) == []
 
 
 def test_each_gpu_worker_is_pinned_to_one_device():
-    slots = shard.plan_slots(4, "cuda", tokens=["3", "7"], cpu_count=16)
+    slots = placement.plan_slots(4, "cuda", tokens=["3", "7"], cpu_count=16)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["3", "7", "3", "7"]  # round-robin past 2 GPUs
     assert [s.device for s in slots] == ["cuda:3", "cuda:7", "cuda:3", "cuda:7"]
     assert {s.env["DSV4_PARITY_THREADS"] for s in slots} == {"4"}  # 16 cores / 4 workers
     # negative control: one worker is the run as before sharding — not pinned, default threads
-    one = shard.plan_slots(1, "cuda", tokens=["3", "7"], cpu_count=16)
+    one = placement.plan_slots(1, "cuda", tokens=["3", "7"], cpu_count=16)
     assert one[0].env == {} and one[0].device == "cuda:3" and one[0].threads is None
 
 
 def test_cpu_workers_are_single_threaded_and_unpinned():
-    slots = shard.plan_slots(2, "cpu", cpu_count=2)
+    slots = placement.plan_slots(2, "cpu", cpu_count=2)
     assert all(s.env == {"DSV4_PARITY_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} for s in slots)
     assert [s.device for s in slots] == ["cpu", "cpu"]
-    assert shard.plan_slots(1, "cpu")[0].env == {}  # one worker: unchanged
-    assert shard.plan_slots(1, "cpu", threads=3)[0].env["DSV4_PARITY_THREADS"] == "3"  # --threads wins
+    assert placement.plan_slots(1, "cpu")[0].env == {}  # one worker: unchanged
+    assert placement.plan_slots(1, "cpu", threads=3)[0].env["DSV4_PARITY_THREADS"] == "3"  # --threads wins
 
 
 # ---- cost estimate and order -----------------------------------------------------------------------------------------
@@ -157,6 +157,7 @@ def test_two_workers_give_one_workers_results_case_by_case_and_resume(tmp_path, 
     assert all(0 <= a <= b <= end["duration_s"] + 1e-3 for a, b in spans)
     busy = end["occupancy"]
     assert busy["workers"] == 2 and busy["processes_started"] == 2 and busy["waited_for_memory"] == 0
+    assert busy["prestarted"] == 2  # both children were started before torch was loaded here (parity.run.prestart)
     assert busy["case_s"] == pytest.approx(sum(b - a for a, b in spans), abs=0.01)
     assert 0 < busy["share"] <= 1
 
@@ -226,7 +227,9 @@ def test_occupancy_is_the_case_time_over_the_workers_wall_time():
 
     o = occupancy([1.0, 2.0, 3.0], workers=2, wall_s=6.0, processes=3, waited=1)
     assert o == {"workers": 2, "wall_s": 6.0, "case_s": 6.0, "share": 0.5, "processes_started": 3,
-                 "waited_for_memory": 1}
+                 "waited_for_memory": 1, "prestarted": 0}
     assert occupancy_line(o) == ("workers: 2 over 6 s, busy 50 % (cases handed out to finished: 6 s); 3 worker "
                                  "process(es) started, 1 case(s) waited for GPU memory")
+    early = occupancy([1.0], workers=2, wall_s=2.0, processes=3, waited=0, prestarted=2)
+    assert "3 worker process(es) started (2 before the run)," in occupancy_line(early)
     assert occupancy([], workers=1, wall_s=0.0, processes=0, waited=0)["share"] is None  # no time: no share

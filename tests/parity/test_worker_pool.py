@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.run.shard import plan_slots
+from parity.run.placement import plan_slots
 from parity.run.worker import WorkerPool, is_out_of_memory
 
 CHILD = [sys.executable, str(Path(__file__).with_name("pool_child.py"))]
