@@ -5,7 +5,9 @@
 #   OLD: a `git archive` of the earlier commit (tests left out), carried in .mg, e.g.
 #        git archive --format=tar.gz -o .mg/ab-3703385.tar.gz 3703385 -- . ':!tests'
 #   ORDER (default "new:cold new:warm old:warm new:warm old:warm"): tree:run steps; cold empties the cache first (the
-#        fused kernels compile the same way in both trees, so the cache one tree fills serves the other)
+#        fused kernels compile the same way in both trees, so the cache one tree fills serves the other); the tree
+#        new0 is this tree with the workers started only once the run is planned (DSV4_PARITY_PRESTART=0: the
+#        lever of parity.run.prestart alone, e.g. ORDER="new:warm new0:warm new:warm new0:warm")
 #   IMPL (default fused): the bench's --gate-impl (megatron: production's gate; carry its snapshot in .mg)
 #   AB_START (default 0): steps are numbered from AB_START + 1 (a later call on the same warm machine continuing the
 #        order: ORDER="new:cold old:warm" first, then AB_START=2 ORDER="new:warm", so no step's directory is reused)
@@ -46,7 +48,9 @@ for step in $order; do
   i=$((i + 1)) which="${step%%:*}" run="${step#*:}"
   [ "$which" = old ] && tree="$old" || tree="$new"
   t0=$(date +%s)
-  (cd "$tree" && python3 -m cli bench --sections gate --gate-impl "$impl" --gate-runs "$run" --gate-cache-dir "$cache" \
+  prestart=1
+  [ "$which" = new0 ] && prestart=0
+  (cd "$tree" && DSV4_PARITY_PRESTART=$prestart python3 -m cli bench --sections gate --gate-impl "$impl" --gate-runs "$run" --gate-cache-dir "$cache" \
     --gate-suite "${SUITE:-gate}" ${LIMIT:+--gate-limit "$LIMIT"} ${PROVIDER:+--gate-provider "$PROVIDER"} --gate-dir "/tmp/ab-$i" --json "$json/$i-$which-$run.json" --no-plot > "$json/$i-$which-$run.log" 2>&1)
   code=$?
   [ -f "/tmp/ab-$i/$run/results.jsonl" ] && gzip -c "/tmp/ab-$i/$run/results.jsonl" > "$out/ab-$which.jsonl.gz"

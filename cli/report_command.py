@@ -1,5 +1,5 @@
 """``dsv4-parity report`` and ``dsv4-parity compare``: the command-line half of :mod:`reports`. The parser needs
-only :mod:`reports.schema`; the commands import the views (pandas, matplotlib) when they run.
+only :mod:`reports.schema`; the commands import the views (pandas, Jinja2) when they run.
 
 Exit codes: 0 rendered / gate passed; 1 drift gate failed (``compare``); 2 bad input (one-line message on stderr).
 """
@@ -232,7 +232,7 @@ def _compare_one(results: Path, name: str, args: argparse.Namespace, console) ->
 
 
 def preload_report_modules() -> None:
-    """Import the HTML report's modules (matplotlib, about 1.4 s on 2 CPU cores) in a background thread, so the report
+    """Import the HTML report's modules (pandas, Jinja2) in a background thread, so the report
     drawn after a run's last case does not wait for them: called as a run starts. A failed import is left for the
     report itself to raise."""
     import importlib

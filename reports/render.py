@@ -64,7 +64,7 @@ def render_run(run: str | Path, *, baseline: str | None = "auto", console: Conso
     csv_path = write_csv(table, directory / CSV_NAME) if csv else None
     html_path = None
     if html:
-        from .html import HTML_NAME, render_html  # matplotlib: imported when a report is drawn (see cli.report_command)
+        from .html import HTML_NAME, render_html  # Jinja2: imported when a report is drawn (see cli.report_command)
 
         html_path = render_html(data, table, directory / HTML_NAME, drift=drift,
                                 baseline_name=base.name if base else None, baseline_env=base.env if base else None,

@@ -62,7 +62,7 @@ def test_the_page_is_self_contained(rendered):
     assert csp and "default-src 'none'" in csp[0]["content"] and "img-src data:" in csp[0]["content"]
     assert page.find("link") == [] and [a for a in page.find("script") if "src" in a] == []
     images = page.find("img")
-    assert len(images) >= 3 and all(a["src"].startswith("data:image/png;base64,") for a in images)
+    assert len(images) >= 3 and all(a["src"].startswith("data:image/svg+xml;base64,") for a in images)
     for tag, attrs in page.tags:
         for name in ("src", "href", "action"):
             assert not re.match(r"(https?:)?//", attrs.get(name) or ""), (tag, attrs)
