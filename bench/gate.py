@@ -192,6 +192,8 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
             f" kernels in {row['compile']['totals'].get('compile_s', 0)} s, loaded "
             f"{row['compile']['totals'].get('loaded', 0)}"
             + (f"; workers busy {100 * busy['share']:.0f} %" if busy.get("share") is not None else "")
+            + (f", {busy.get('prestarted', 0)} of {busy.get('processes_started')} worker process(es) started before the run"
+               if busy.get("processes_started") else "")
             + (f"; wall / kernel time {row['wall_over_kernels']}" if row.get("wall_over_kernels") else ""))
         section["runs"].append(row)
     done = [r for r in section["runs"] if "out" in r]

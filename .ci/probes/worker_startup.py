@@ -7,6 +7,8 @@ Runs one small case twice in a fresh process, two ways, each step timed from the
 * ``worker``: the order a worker takes (``parity.run.worker``): torch, the harness, then the case (twice);
 * ``preloaded``: torch, the harness, then CUDA's first use, ``torch._dynamo`` (``torch.utils.checkpoint`` imports it
   on its first call) and the provider's kernel libraries, each timed, then the case (twice).
+* ``warmed``: torch, the harness, then what a worker child does before its first request since 2026-12-07
+  (:func:`parity.run.worker.warm_up`), then the case (twice): the first run's extra cost left after the warm-up.
 
 The first run's phases minus the second's are the first-use costs; what ``preloaded`` moves out of them is what a
 worker that imported those before its first case (or a fork server that imported them once) would save per process.
@@ -29,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 #: the Python modules each provider's kernels come from (a missing one is reported, not fatal)
 LIBRARIES = {"cudnn": ("cudnn", "cutlass.cute", "flash_mla"), "flashmla": ("flash_mla",)}
+ORDERS = ("worker", "preloaded", "warmed")
 
 
 def child(order: str, provider: str, case_id: str, suite: str) -> None:
@@ -67,6 +70,11 @@ def child(order: str, provider: str, case_id: str, suite: str) -> None:
                 mark(f"import {name}")
             except Exception as exc:  # noqa: BLE001 — a library this machine lacks: said, not fatal
                 mark(f"import {name}: {type(exc).__name__}")
+    if order == "warmed":
+        from parity.run.worker import warm_spec, warm_up
+
+        warm_up(warm_spec("fused", "reference", provider, "cuda" if torch.cuda.is_available() else "cpu"))
+        mark("parity.run.worker.warm_up")
     case = find_case(suite, case_id)
     request = {"case": case.to_dict(), "options": asdict(RunOptions(provider=provider)), "oracle": None}
     runs = []
@@ -92,14 +100,14 @@ def main(argv=None) -> int:
     ap.add_argument("--provider", default="auto")
     ap.add_argument("--case-id")
     ap.add_argument("--suite", default="gate")
-    ap.add_argument("--child", choices=("worker", "preloaded"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=ORDERS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     case_id = args.case_id or smallest_case(args.suite)
     if args.child:
         child(args.child, args.provider, case_id, args.suite)
         return 0
     print(f"case {case_id} ({args.suite}), provider {args.provider}")
-    for order in ("worker", "preloaded"):
+    for order in ORDERS:
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--child", order, "--provider", args.provider,
                                "--case-id", case_id, "--suite", args.suite], capture_output=True, text=True,
