@@ -82,5 +82,5 @@ def test_cycle_detection_negative_control():
 
 
 def test_first_party_imports_are_at_module_level():
-    local = sorted((p.stem, n) for p in _modules().values() for n, at_top in _imports(p) if not at_top)
-    assert local == sorted(LAZY), local
+    local = sorted({(p.stem, n) for p in _modules().values() for n, at_top in _imports(p) if not at_top})
+    assert local == sorted(LAZY), local  # each (module, import) pair imported inside a function, with its reason
