@@ -27,6 +27,8 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+# the negative control lets Dynamo trace the reference, which then warns of each cached helper it traces through
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`-wrapped function")
 def test_the_reference_runs_eagerly_under_a_dynamo_callback():
     case = pick(dtype="float32", layout="bshd", ratio="4", training=True)
     tensors = materialize(case, "cpu")
