@@ -62,8 +62,10 @@ except (OSError, ValueError) as exc:
     runs = []
     print(f"{sys.argv[2]}: no JSON ({exc})")
 for r in runs:
-    print(f"{sys.argv[2]}: wall {r.get('wall_s')} s, {r.get('outcomes')}, phases {r.get('phases_s')}, "
-          f"busy {(r.get('occupancy') or {}).get('share')}")
+    busy = r.get('occupancy') or {}
+    print(f"{sys.argv[2]}: wall {r.get('wall_s')} s (before the run {r.get('prelude_s')}, the run {r.get('run_s')}, "
+          f"after it {r.get('after_s')}), {r.get('outcomes')}, phases {r.get('phases_s')}, busy {busy.get('share')}, "
+          f"workers started early {busy.get('prestarted')} of {busy.get('processes_started')}")
 PY
 done
 tar czf "$out/ab-json.tar.gz" -C "$json" .

@@ -62,7 +62,16 @@ def summarize_results(path: Path) -> dict[str, Any]:
             "impl_kernels": kernels,
             "phase_share": {k: round(v / total, 4) for k, v in phases.items()},
             "device_memory": sum(row.get("decided_by") == "device-memory" for row in rows),
-            "occupancy": end.get("occupancy")}
+            "occupancy": end.get("occupancy"), "run_s": end.get("duration_s"), "prelude_s": end.get("prelude_s")}
+
+
+def outside_the_run(wall_s: float, summary: dict[str, Any]) -> Optional[float]:
+    """Seconds of a gate command's wall time outside its run and before it: what follows the run's last case (the
+    report, the workers' and the process's exit; None when the run row lacks what it takes)."""
+    run_s, prelude_s = summary.get("run_s"), summary.get("prelude_s")
+    if run_s is None or prelude_s is None:
+        return None
+    return round(wall_s - prelude_s - run_s, 2)
 
 
 def collect_compile_stats(stats_dir: Path) -> dict[str, Any]:
@@ -135,6 +144,7 @@ def run_gate_once(label: str, root: Path, cache_dir: Path, *, suite: str, provid
     row = {"run": label, "wall_s": round(wall, 2), "exit_code": code, "command": " ".join(cmd[1:]),
            "cache_dir": str(cache_dir), "out": str(out), "output_tail": tail.splitlines()[-6:]}
     row.update(summarize_results(out / "results.jsonl"))
+    row["after_s"] = outside_the_run(wall, row)  # the command's wall = prelude_s + run_s + after_s
     row.update(kernel_pace(wall, row["cases"], row["phases_s"].get("impl", 0.0), row["impl_kernels"]["seconds"]))
     row["compile"] = collect_compile_stats(stats_dir)
     target = TARGETS.get(f"{'pr' if impl == 'fused' else 'production'}_gate_{label}_s")
@@ -194,7 +204,9 @@ def gate_section(root: Path, *, suite: str = "gate", provider: str = "cudnn", wo
             + (f"; workers busy {100 * busy['share']:.0f} %" if busy.get("share") is not None else "")
             + (f", {busy.get('prestarted', 0)} of {busy.get('processes_started')} worker process(es) started before the run"
                if busy.get("processes_started") else "")
-            + (f"; wall / kernel time {row['wall_over_kernels']}" if row.get("wall_over_kernels") else ""))
+            + (f"; wall / kernel time {row['wall_over_kernels']}" if row.get("wall_over_kernels") else "")
+            + (f"; before the run {row['prelude_s']} s, the run {row['run_s']} s, after it {row['after_s']} s"
+               if row.get("after_s") is not None else ""))
         section["runs"].append(row)
     done = [r for r in section["runs"] if "out" in r]
     first = {r["run"]: r for r in reversed(done)}

@@ -20,6 +20,7 @@ import functools
 import importlib
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -31,6 +32,10 @@ from cli import (bench_command, bisect_command, cache_command, cases_command, co
                  report_command)
 from cli.options import (add_implementation_options, add_output_options, add_selection_options,
                          check_selection_options, given_options)
+
+#: when this command started (``time.perf_counter``, as this module was imported): a run's end row says how long the
+#: command took before its run's clock started (``prelude_s``: torch, the checks, the suite)
+STARTED = time.perf_counter()
 
 DESCRIPTION = """\
 Numerical parity harness for DeepSeek-V4 hybrid attention (CSA / HCA / sliding window + sink, lightning indexer,
@@ -167,6 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # a typo or --help ends here, before torch
     args.argv = list(argv) if argv is not None else sys.argv[1:]
+    args.command_started = STARTED if argv is None else time.perf_counter()  # a caller's own command: from now
     args.given = given_options(parser, args.argv)
     # --megatron reaches the worker processes as DSV4_MEGATRON, for this command only: restored when it returns (a
     # caller that runs several commands in one process, a test or `gate`, must not see the last one's tree)

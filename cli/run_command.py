@@ -184,7 +184,8 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
                        threads=getattr(args, "threads", None), budget_s=getattr(args, "budget_s", None),
                        force=getattr(args, "force", False), link=link, selection=selection_record(label, cases),
                        peaks=measured_peaks(label, options) if oracle is None else None,
-                       gate=_gate_manifest(args), prestart=getattr(args, "prestart", None))
+                       gate=_gate_manifest(args), prestart=getattr(args, "prestart", None),
+                       command_started=getattr(args, "command_started", None))
     counts, code = run(cases, config)
     _say(_closing_line(counts, len(cases), code, out_dir, oracle))
     return counts, code, out_dir, link

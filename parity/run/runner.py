@@ -131,6 +131,7 @@ class RunConfig:
     peaks: Optional[dict] = None  # {case_id: bytes} measured on this GPU before (memory admission; the CLI reads it)
     gate: Optional[dict] = None  # the manifest of the one-path gate this run is (run row ``gate``: its --resume)
     prestart: Optional[Any] = None  # worker children started before the run (parity.run.prestart.Prestart)
+    command_started: Optional[float] = None  # time.perf_counter() as the command started (end row prelude_s)
 
 
 def _isolation(config: RunConfig, workers: int) -> str:
@@ -357,6 +358,8 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
               f"space, then continue with: {resume_command(out_dir)}", file=sys.stderr)
         return counts, 2
     end = {"type": "end", "counts": counts, "duration_s": round(time.perf_counter() - started, 3)}
+    if config.command_started is not None:  # the command's time before this run's clock started (additive field)
+        end["prelude_s"] = round(started - config.command_started, 3)
     end["occupancy"] = occupancy(spans, len(used) if pool is not None else 1, end["duration_s"],
                                  pool.started if pool is not None else 0, pool.waited if pool is not None else 0,
                                  pool.adopted if pool is not None else 0)

@@ -167,6 +167,18 @@ def test_summarize_reads_the_workers_occupancy_from_the_end_row(tmp_path):
     assert bench_gate.summarize_results(path)["occupancy"] == busy
 
 
+def test_a_gate_commands_wall_splits_into_before_during_and_after_its_run(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"type": "case", "case_id": "a", "outcome": "pass", "phases_s": {"impl": 2.0}}) + "\n"
+                    + json.dumps({"type": "end", "counts": {"pass": 1}, "duration_s": 70.0, "prelude_s": 9.5}))
+    summary = bench_gate.summarize_results(path)
+    assert (summary["run_s"], summary["prelude_s"]) == (70.0, 9.5)
+    assert bench_gate.outside_the_run(85.0, summary) == 5.5
+    # an end row written before prelude_s was recorded, or a killed run: nothing is made up
+    assert bench_gate.outside_the_run(85.0, {"run_s": 70.0, "prelude_s": None}) is None
+    assert bench_gate.outside_the_run(85.0, {"run_s": None, "prelude_s": None}) is None
+
+
 def test_real_run_of_two_smoke_cases(tmp_path):
     """The plumbing end to end on the CPU: the real ``dsv4-parity run`` subprocess (smoke, torch provider)."""
     section = bench_gate.gate_section(tmp_path / "g", suite="smoke", provider="torch", workers="1", limit=2,

@@ -158,6 +158,7 @@ def test_two_workers_give_one_workers_results_case_by_case_and_resume(tmp_path, 
     busy = end["occupancy"]
     assert busy["workers"] == 2 and busy["processes_started"] == 2 and busy["waited_for_memory"] == 0
     assert busy["prestarted"] == 2  # both children were started before torch was loaded here (parity.run.prestart)
+    assert 0 <= end["prelude_s"] < 60  # the command's time before its run's clock started (here: from main's call)
     assert busy["case_s"] == pytest.approx(sum(b - a for a, b in spans), abs=0.01)
     assert 0 < busy["share"] <= 1
 
