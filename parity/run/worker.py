@@ -132,16 +132,21 @@ def spawn(command: Sequence[str], env: dict) -> Spawned:
     return Spawned(list(command), env, proc, stderr)
 
 
+def _close_pipes(proc: subprocess.Popen) -> None:
+    """Close the parent's ends of a child's request and answer pipes (it has exited)."""
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
 def _stop_spawned(child: Spawned) -> None:
     """End a child that never got a request: killed at once (nothing runs in it), its pipes and file closed."""
     if child.alive:
         child.proc.kill()
     child.proc.wait()
-    for pipe in (child.proc.stdin, child.proc.stdout):
-        try:
-            pipe.close()
-        except OSError:
-            pass
+    _close_pipes(child.proc)
     child.stderr.close()
 
 
@@ -257,11 +262,7 @@ class Worker:
                 except (OSError, subprocess.TimeoutExpired):
                     self.proc.kill()
                     self.proc.wait()
-            for pipe in (self.proc.stdin, self.proc.stdout):
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+            _close_pipes(self.proc)
             self.proc = None
         if self.stderr is not None:
             self.stderr.close()
