@@ -176,7 +176,8 @@ def run_oracle_or_parity(args: argparse.Namespace, oracle: Optional[str], out_ov
         if out_override is None:
             out_dir, link = resolve_out_dir(args.out, run_id, args.make_default, args.resume)
     options = run_options(args)
-    check_memory(cases, options.torch_device())
+    early = getattr(args, "prestart", None)  # the host's memory as it was before the early workers started
+    check_memory(cases, options.torch_device(), host=early.host_available if early is not None else None)
     config = RunConfig(suite=label, options=options, out_dir=out_dir, oracle=oracle, resume=args.resume,
                        isolate=args.isolate, timeout=args.timeout, junit=args.junit,
                        argv=["dsv4-parity", *strip_options(getattr(args, "argv", sys.argv[1:]), {"--gate-manifest": True})],

@@ -111,6 +111,16 @@ def _decades(lo: float, hi: float) -> list[int]:
     return list(range(math.floor(lo), math.ceil(hi) + 1, step))
 
 
+def _log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+    """Labelled positions from ``lo`` to ``hi`` (log10 units): whole decades, or half decades where fewer than two
+    whole ones fall inside."""
+    whole = [float(k) for k in _decades(lo, hi) if lo <= k <= hi]
+    if len(whole) >= 2:
+        return [(k, str(int(k))) for k in whole]
+    halves = [k / 2 for k in range(math.ceil(lo * 2), math.floor(hi * 2) + 1)]
+    return [(k, f"{k:g}") for k in halves]
+
+
 def _span(groups: list[np.ndarray], pad: float = 0.25) -> tuple[float, float]:
     """The axis range covering every finite value of ``groups`` (axis units), padded; (0, 1) when there is none."""
     values = [g for g in groups if len(g)]
@@ -213,13 +223,15 @@ def tensor_distributions(table: pd.DataFrame, metrics: pd.DataFrame) -> str | No
 def noise_floor_histograms(table: pd.DataFrame, metrics: pd.DataFrame) -> str | None:
     """Per tensor class, the histogram of log10 noise-floor ratios over one shared set of 39 bins; red: the class's
     median threshold."""
-    rows = table.loc[(table["tensor"] != "") & (table["noise_floor_ratio"] > 0)]
+    ratios = table["noise_floor_ratio"]
+    rows = table.loc[(table["tensor"] != "") & (ratios > 0) & np.isfinite(ratios)]
     classes = sorted(rows["tensor_class"].dropna().unique(), key=_class_rank)
     if not classes:
         return None
     thresholds = metrics.loc[metrics["metric"] == "noise_floor_ratio"].groupby("tensor_class")["threshold"].median()
-    values = np.log10(rows["noise_floor_ratio"].to_numpy(dtype=float))
-    edges = np.linspace(np.floor(values.min() * 2) / 2, np.ceil(values.max() * 2) / 2 + 1e-9, 40)
+    marks = {k: math.log10(t) for k, t in thresholds.items() if k in classes and np.isfinite(t) and t > 0}
+    values = np.concatenate([np.log10(rows["noise_floor_ratio"].to_numpy(dtype=float)), list(marks.values())])
+    edges = np.linspace(np.floor(values.min() * 2) / 2, np.ceil(values.max() * 2) / 2 + 1e-9, 40)  # thresholds in
     cols = min(4, len(classes))
     nrows = -(-len(classes) // cols)
     cell_w, cell_h, pad = WIDTH / cols, 170, 14
@@ -243,12 +255,9 @@ def noise_floor_histograms(table: pd.DataFrame, metrics: pd.DataFrame) -> str | 
         svg.line(x0, y0, x0, y1, "#444")
         svg.text(x0 - 4, y0 + 8, str(tallest), anchor="end", size=FONT - 2)
         svg.text(x0 - 4, y1, "0", anchor="end", size=FONT - 2)
-        thr = thresholds.get(klass)
-        if thr is not None and np.isfinite(thr) and thr > 0:
-            svg.line(axis.x(math.log10(thr)), y0, axis.x(math.log10(thr)), y1, THRESHOLD_COLOR, 1.2)
-        ticks = [(float(k), str(k)) for k in _decades(float(edges[0]), float(edges[-1]))
-                 if edges[0] <= k <= edges[-1]]
-        _draw_axis(svg, axis, y0, y1, ticks, "log10 noise-floor ratio")
+        if klass in marks:
+            svg.line(axis.x(marks[klass]), y0, axis.x(marks[klass]), y1, THRESHOLD_COLOR, 1.2)
+        _draw_axis(svg, axis, y0, y1, _log_ticks(float(edges[0]), float(edges[-1])), "log10 noise-floor ratio")
     return svg.uri()
 
 

@@ -22,6 +22,8 @@ from cases.errors import CaseError
 from cases.layout import ThdLayout
 from cases.tensors import input_shapes, output_shape, parameter_shapes
 
+from parity.run.host import host_available_bytes
+
 FLOAT64 = 8
 
 
@@ -50,18 +52,6 @@ def working_set(case: Case) -> dict[str, int]:
     parts = {"inputs": drawn, "gradients": drawn}
     parts.update({name: FLOAT64 * math.prod(shape) for name, shape in output_shapes(case).items()})
     return parts
-
-
-def host_available_bytes() -> Optional[int]:
-    """``MemAvailable`` of ``/proc/meminfo`` (None where there is none)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def device_total_bytes() -> Optional[int]:

@@ -31,7 +31,8 @@ from typing import Optional, Sequence
 
 from parity.run import placement
 from parity.run.usage import parse_workers
-from parity.run.worker import Spawned, _stop_spawned, child_command, child_env, same_child, spawn, warm_spec
+from parity.run.host import host_available_bytes
+from parity.run.worker import Spawned, _stop_spawned, children_for, same_child, spawn, warm_spec
 
 SWITCH_ENV = "DSV4_PARITY_PRESTART"
 
@@ -73,12 +74,13 @@ def planned_children(args: argparse.Namespace, gpus: Optional[int] = None,
     if getattr(args, "isolate", "auto") not in ("auto", "worker"):
         return []
     device = args.device
+    if device != "cpu" and gpus is None:
+        gpus = nvml_gpu_count()
     if device == "auto":
-        device = "cuda" if (nvml_gpu_count() if gpus is None else gpus) > 0 else "cpu"
+        device = "cuda" if gpus > 0 else "cpu"
     tokens = None
     if device == "cuda":
-        count = nvml_gpu_count() if gpus is None else gpus
-        tokens = placement.visible_cuda_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), count)
+        tokens = placement.visible_cuda_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus)
         if not tokens:
             return []
     workers = parse_workers(getattr(args, "workers", None))
@@ -91,19 +93,30 @@ def planned_children(args: argparse.Namespace, gpus: Optional[int] = None,
     slots = placement.plan_slots(workers, device, threads=getattr(args, "threads", None), tokens=tokens,
                                  cpu_count=cores)
     slots = slots[:selected] if selected is not None else slots
-    warm = warm_spec(args.impl, args.against, args.provider, device)
-    return [(child_command(), child_env(slot, warm)) for slot in slots]
+    return children_for(slots, warm_spec(args.impl, args.against, args.provider, device))
 
 
 class Prestart:
-    """Children started before the run (one per guessed slot, in slot order), until :meth:`assign` hands them out."""
+    """Children started before the run (one per guessed slot, in slot order), until :meth:`assign` hands them out.
+    ``host_available``: the host's available memory just before they started (what the run's memory check weighs
+    its cases against, as it would have without them: :func:`parity.run.memory.check_memory`)."""
 
-    def __init__(self, children: Sequence[Spawned]):
+    def __init__(self, children: Sequence[Spawned], host_available: Optional[int] = None):
         self.children: list[Spawned] = list(children)
+        self.host_available = host_available
 
     @classmethod
     def spawn(cls, planned: Sequence[tuple[list[str], dict]]) -> "Prestart":
-        return cls([spawn(command, env) for command, env in planned])
+        """Start one child per ``(command, env)``; if one cannot start (or the start is interrupted), those already
+        started are stopped before the error goes on."""
+        early = cls([], host_available_bytes())
+        try:
+            for command, env in planned:
+                early.children.append(spawn(command, env))
+        except BaseException:
+            early.close()
+            raise
+        return early
 
     def assign(self, wanted: Sequence[tuple[Sequence[str], dict]]) -> tuple[list[Optional[Spawned]], list[str]]:
         """For each ``(command, env)`` a fresh child of the run would start with (its slots in order), the child

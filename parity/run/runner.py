@@ -49,7 +49,7 @@ from parity.run.junit import write_junit
 from parity.run.progress import Progress
 from parity.run.rundir import check_writable_file, prepare
 from parity.run.placement import Slot
-from parity.run.worker import WorkerPool, child_command, child_env, warm_spec
+from parity.run.worker import WorkerPool, children_for, warm_spec
 
 REPO = names.REPO
 DEFAULT_OUT_ROOT = names.OUT_ROOT
@@ -191,7 +191,7 @@ def _prestarted(config: RunConfig, wanted: list) -> Optional[list]:
     if config.prestart is None:
         return None
     spares, differs = config.prestart.assign(wanted)
-    if differs and not config.quiet:
+    if differs:  # said even under --quiet: it costs the run its early start
         print(f"note: {sum(s is None for s in spares)} of {len(spares)} worker(s) started anew: the children started "
               f"early differ from this run's in {', '.join(differs)}", file=sys.stderr)
     return spares
@@ -323,9 +323,10 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
             used = slots[:max(1, min(workers, len(todo)))]
             opts = config.options
             warm = warm_spec(opts.impl, opts.against, opts.provider, device)
+            admission = _memory_admission(config.options, device, used, config.peaks)
+            spares = _prestarted(config, children_for(used, warm))  # from here the pool stops them (close)
             pool = WorkerPool(used, timeout=config.timeout, fresh=(mode == "case"), backfill=len(todo), warm=warm,
-                              spares=_prestarted(config, [(child_command(), child_env(s, warm)) for s in used]),
-                              **_memory_admission(config.options, device, used, config.peaks))
+                              spares=spares, **admission)
             jobs = ((c, request(c)) for c in within_budget(todo))
             for done in pool.run(jobs, on_start=lambda c, _: starting(c), stop=spent):
                 rows = done.rows if done.rows is not None else error_rows(done.key, config.options, done.why)

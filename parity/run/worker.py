@@ -64,14 +64,30 @@ THREADS_ENV = "DSV4_PARITY_THREADS"
 PARENT_ENV = "DSV4_PARITY_PARENT"
 #: what a child prepares before its first request (:func:`warm_up`): ``{"impl", "against", "provider", "device"}``
 WARM_ENV = "DSV4_PARITY_WARM"
-#: variables every worker child sets for itself, if unset, to a value that depends only on the rest of its
-#: environment: the determinism settings of :func:`parity.engine.configure_torch`, torch's ``CUDA_MODULE_LOADING``
-#: (set as CUDA starts) and the compile caches' directories (:func:`fused.kernels.compile_cache.configure_environment`,
-#: set before the CuTe DSL is imported). A parent that sets them after starting a child changes nothing for that
-#: child (:func:`same_child`).
-SELF_SET = frozenset({"CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_DETERMINISTIC", "CUDA_MODULE_LOADING",
-                      "CUTE_DSL_CACHE_DIR", "CUDNN_FRONTEND_COMPILED_CACHE", "TRITON_CACHE_DIR",
-                      "TORCHINDUCTOR_CACHE_DIR"})
+def _cache_dir(name: str) -> Callable[[dict], str]:
+    """The directory :func:`fused.kernels.compile_cache.configure_environment` gives a library's compile cache in a
+    process with environment ``env``: ``<DSV4_PARITY_CACHE_DIR or ~/.cache/dsv4-parity>/<name>``."""
+    def value(env: dict) -> str:
+        root = env.get("DSV4_PARITY_CACHE_DIR") or str(Path(env.get("HOME") or Path.home()) / ".cache" / "dsv4-parity")
+        return str(Path(root).expanduser() / name)
+
+    return value
+
+
+#: variables every worker child sets for itself when unset, to the value given here as a function of the rest of
+#: its environment: the determinism settings of :func:`parity.engine.configure_torch`, torch's
+#: ``CUDA_MODULE_LOADING`` (as CUDA starts) and the compile caches' directories
+#: (:func:`fused.kernels.compile_cache.configure_environment`, before the CuTe DSL is imported). A parent that sets
+#: one of them to that same value after starting a child changes nothing for that child (:func:`same_child`).
+SELF_SET: dict[str, Callable[[dict], str]] = {
+    "CUBLAS_WORKSPACE_CONFIG": lambda env: ":4096:8",
+    "TORCHINDUCTOR_DETERMINISTIC": lambda env: "1",
+    "CUDA_MODULE_LOADING": lambda env: "LAZY",
+    "CUTE_DSL_CACHE_DIR": _cache_dir("cute-dsl"),
+    "CUDNN_FRONTEND_COMPILED_CACHE": _cache_dir("cudnn-frontend"),
+    "TRITON_CACHE_DIR": _cache_dir("triton"),
+    "TORCHINDUCTOR_CACHE_DIR": _cache_dir("inductor"),
+}
 
 
 def child_command() -> list[str]:
@@ -102,12 +118,21 @@ def child_env(slot, warm: Optional[str] = None) -> dict:
 def same_child(started: tuple[Sequence[str], dict], wanted: tuple[Sequence[str], dict]) -> list[str]:
     """The variables (or ``command``) in which a child started with ``started = (command, env)`` differs from one
     started now with ``wanted``; empty when it is the same child. A :data:`SELF_SET` variable that ``wanted`` has
-    and ``started`` lacks is no difference: the child sets it itself to the same value."""
+    and ``started`` lacks is no difference when ``wanted`` holds the value the child gives it itself."""
     if list(started[0]) != list(wanted[0]):
         return ["command"]
     old, new = started[1], wanted[1]
-    return sorted(k for k in set(old) | set(new)
-                  if old.get(k) != new.get(k) and not (k in SELF_SET and k not in old))
+
+    def sets_itself(k: str) -> bool:
+        return k in SELF_SET and k not in old and new.get(k) == SELF_SET[k](old)
+
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and not sets_itself(k))
+
+
+def children_for(slots: Sequence, warm: Optional[str] = None) -> list[tuple[list[str], dict]]:
+    """``(command, env)`` of the child each of ``slots`` starts now (what :class:`WorkerPool` starts, what
+    :mod:`parity.run.prestart` starts early and compares)."""
+    return [(child_command(), child_env(slot, warm)) for slot in slots]
 
 
 @dataclass
@@ -246,7 +271,7 @@ class Worker:
             self.adopted += 1
         else:
             if spare is not None:  # it died waiting (nothing ran in it): a fresh child takes its place
-                spare.stderr.close()
+                _stop_spawned(spare)
             child = spawn(self.command, child_env(self.slot, self.warm))
         self.proc, self.stderr = child.proc, child.stderr
         self.pending = b""  # answer bytes read so far (an answer may arrive in several reads)

@@ -17,8 +17,7 @@ import pytest
 
 from cli.main import main
 from parity.run import placement, prestart
-from parity.run.worker import (SELF_SET, WARM_ENV, WorkerPool, child_command, child_env, same_child, spawn,
-                               warm_spec)
+from parity.run.worker import SELF_SET, WARM_ENV, WorkerPool, children_for, same_child, spawn, warm_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = [sys.executable, str(Path(__file__).with_name("pool_child.py"))]
@@ -32,10 +31,9 @@ def run_args(**given) -> argparse.Namespace:
 
 
 def fresh(workers, device, *, tokens=None, cpu_count=2, threads=None, impl="fused", provider="torch"):
-    """What the runner would start for each slot (parity.run.runner._run_locked)."""
+    """What the runner starts for each slot (parity.run.runner._run_locked: the same children_for call)."""
     slots = placement.plan_slots(workers, device, threads=threads, tokens=tokens, cpu_count=cpu_count)
-    warm = warm_spec(impl, "reference", provider, device)
-    return [(child_command(), child_env(slot, warm)) for slot in slots]
+    return children_for(slots, warm_spec(impl, "reference", provider, device))
 
 
 def test_the_guess_is_what_the_runner_starts_on_a_cpu_and_on_a_gpu(monkeypatch):
@@ -87,6 +85,12 @@ def test_same_child_ignores_only_what_the_child_sets_itself():
     # negative controls: a pin, a thread count, a value of a self-set variable the child was given, a command
     assert same_child((["py"], env), (["py"], dict(env, CUDA_VISIBLE_DEVICES="1"))) == ["CUDA_VISIBLE_DEVICES"]
     assert same_child((["py"], env), (["py"], dict(env, DSV4_PARITY_THREADS="4"))) == ["DSV4_PARITY_THREADS"]
+    # ... but only to the value the child gives it itself
+    assert same_child((["py"], env), (["py"], dict(env, CUBLAS_WORKSPACE_CONFIG=":16:8"))) == [
+        "CUBLAS_WORKSPACE_CONFIG"]
+    cache = dict(env, DSV4_PARITY_CACHE_DIR="/c")
+    assert same_child((["py"], cache), (["py"], dict(cache, TRITON_CACHE_DIR="/c/triton"))) == []
+    assert same_child((["py"], cache), (["py"], dict(cache, TRITON_CACHE_DIR="/elsewhere"))) == ["TRITON_CACHE_DIR"]
     given = dict(env, CUBLAS_WORKSPACE_CONFIG=":16:8")
     assert same_child((["py"], given), (["py"], dict(env, CUBLAS_WORKSPACE_CONFIG=":4096:8"))) == [
         "CUBLAS_WORKSPACE_CONFIG"]
@@ -100,13 +104,14 @@ def test_what_a_child_sets_itself_is_all_in_self_set(tmp_path):
     code = ("import os, json; before = set(os.environ)\n"
             "from parity.engine import configure_torch; configure_torch()\n"
             "from fused.kernels import compile_cache; compile_cache.configure_environment()\n"
-            "print(json.dumps(sorted(set(os.environ) - before)))")
+            "print(json.dumps({k: os.environ[k] for k in sorted(set(os.environ) - before)}))")
     env = {k: v for k, v in os.environ.items() if k not in SELF_SET}
     env.update(PYTHONPATH=str(REPO), DSV4_PARITY_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    added = set(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert {"CUBLAS_WORKSPACE_CONFIG", "CUTE_DSL_CACHE_DIR"} <= added  # the control: it did set them
-    assert added <= SELF_SET, added - SELF_SET
+    added = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"CUBLAS_WORKSPACE_CONFIG", "CUTE_DSL_CACHE_DIR"} <= set(added)  # the control: it did set them
+    assert set(added) <= set(SELF_SET), set(added) - set(SELF_SET)
+    assert {k: SELF_SET[k](env) for k in added} == added  # ... to the values SELF_SET expects
 
 
 def idle_child() -> list:
@@ -191,3 +196,42 @@ def test_the_early_start_loads_no_torch():
     loaded = {m: subprocess.run([sys.executable, "-c", code.format(module=m)], cwd=REPO, env=env, capture_output=True,
                                 text=True, timeout=120).stdout.strip() for m in ("parity.run.prestart", "parity.run.shard")}
     assert loaded == {"parity.run.prestart": "False", "parity.run.shard": "True"}
+
+
+def test_children_are_stopped_when_one_cannot_start(monkeypatch):
+    started = []
+    real = prestart.spawn
+
+    def flaky(command, env):
+        if started:
+            raise OSError("no more processes")
+        started.append(real(command, env))
+        return started[-1]
+
+    monkeypatch.setattr(prestart, "spawn", flaky)
+    with pytest.raises(OSError):
+        prestart.Prestart.spawn([(idle_child(), dict(os.environ))] * 3)
+    assert len(started) == 1 and started[0].proc.poll() is not None  # the one that started is stopped
+
+
+def test_a_usage_error_after_the_early_start_stops_its_children_and_weighs_memory_as_before_them(tmp_path,
+                                                                                                 monkeypatch, capsys):
+    """The run's memory check reads the host as it was before its workers started (they hold memory of their
+    own); a run refused by that check ends with its early children stopped."""
+    made = []
+    real = prestart.Prestart.spawn.__func__
+
+    def keep(cls, planned):
+        made.append(real(cls, planned))
+        return made[-1]
+
+    monkeypatch.setattr(prestart.Prestart, "spawn", classmethod(keep))
+    monkeypatch.setattr(prestart, "host_available_bytes", lambda: 1024)  # 1 KiB before the children started
+    argv = ["run", "--suite", "smoke", "--limit", "2", "--workers", "2", "--device", "cpu", "--provider", "torch",
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    assert "cannot fit in host memory" in capsys.readouterr().err
+    assert len(made) == 1 and len(made[0].children) == 0  # handed to nobody: stopped
+    # the control: without the early start the check reads the host now, and the run goes ahead
+    monkeypatch.setenv(prestart.SWITCH_ENV, "0")
+    assert main([*argv[:-1], str(tmp_path / "again")]) == 0 and len(made) == 1

@@ -68,3 +68,24 @@ def test_the_figures_name_every_tensor_and_class_and_mark_the_thresholds():
     # nothing to draw: no figure (the page says so instead)
     empty = table.assign(max_rel=np.nan, noise_floor_ratio=np.nan)
     assert tensor_distributions(empty, metrics) is None and noise_floor_histograms(empty, metrics) is None
+
+
+def test_a_threshold_outside_the_data_widens_the_histogram_axis_and_infinite_ratios_are_left_out():
+    table, metrics = table_of({"out": ("out", [0.01, 0.05, 0.2, 0.5])})
+    metrics["threshold"] = 3.0
+    table = pd.concat([table, table.iloc[:1].assign(noise_floor_ratio=np.inf)])  # read back from a results file
+    root = parse(noise_floor_histograms(table, metrics))
+    red = [e for e in root.iter(f"{NS}line") if e.get("stroke") == "#d62728"]
+    assert len(red) == 1
+    ticks = {"".join(t.itertext()): float(t.get("x")) for t in root.iter(f"{NS}text")}
+    # the line sits at log10(3) = 0.48 on the axis: right of the 0 tick, not clipped onto it
+    assert float(red[0].get("x1")) > ticks["0"] + 5
+    assert "out  (n=4)" in ticks  # the infinite ratio is not counted
+
+
+def test_a_narrow_range_still_gets_axis_labels():
+    table, metrics = table_of({"out": ("out", [0.35, 0.4, 0.45])})  # log10: -0.46 .. -0.35, inside half a decade
+    metrics["threshold"] = 0.48
+    root = parse(noise_floor_histograms(table, metrics))
+    labels = ["".join(t.itertext()) for t in root.iter(f"{NS}text")]
+    assert "-0.5" in labels and "0" in labels
