@@ -223,7 +223,7 @@ def tensor_distributions(table: pd.DataFrame, metrics: pd.DataFrame) -> str | No
 def noise_floor_histograms(table: pd.DataFrame, metrics: pd.DataFrame) -> str | None:
     """Per tensor class, the histogram of log10 noise-floor ratios over one shared set of 39 bins; red: the class's
     median threshold."""
-    ratios = table["noise_floor_ratio"]
+    ratios = pd.to_numeric(table["noise_floor_ratio"], errors="coerce")  # a run without one: an object column of NaN
     rows = table.loc[(table["tensor"] != "") & (ratios > 0) & np.isfinite(ratios)]
     classes = sorted(rows["tensor_class"].dropna().unique(), key=_class_rank)
     if not classes:

@@ -68,6 +68,9 @@ def test_the_figures_name_every_tensor_and_class_and_mark_the_thresholds():
     # nothing to draw: no figure (the page says so instead)
     empty = table.assign(max_rel=np.nan, noise_floor_ratio=np.nan)
     assert tensor_distributions(empty, metrics) is None and noise_floor_histograms(empty, metrics) is None
+    # a run whose every case was declined: the column holds no number at all (object dtype)
+    declined = table.assign(max_rel=None, noise_floor_ratio=None).astype({"noise_floor_ratio": object})
+    assert noise_floor_histograms(declined, metrics) is None
 
 
 def test_a_threshold_outside_the_data_widens_the_histogram_axis_and_infinite_ratios_are_left_out():
