@@ -23,8 +23,7 @@ from parity.run import resume as resume_mod
 from parity.run.memory import check_memory
 from parity.run.results import summary_line
 from parity.run.runner import RunConfig, new_run_id, resolve_out_dir, resolved_provider, resume_command, run
-from parity.run.usage import parse_workers
-from parity.run.usage import check_run_options
+from parity.run.usage import check_run_options, parse_workers
 
 from cli import report_command
 from cli.gate_command import strip_options  # the run row keeps the gate's manifest as ``gate``, not in its argv

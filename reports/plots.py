@@ -105,18 +105,19 @@ def _draw_axis(svg: Svg, axis: Axis, top: float, bottom: float, ticks: list[tupl
     svg.text((axis.x0 + axis.x1) / 2, bottom + 32, label, anchor="middle")
 
 
-def _decades(lo: float, hi: float) -> list[int]:
-    """Integer decades from ``lo`` to ``hi`` (log10 units), at most about :data:`MAX_TICKS` of them."""
+def whole_ticks(lo: float, hi: float) -> list[int]:
+    """Whole axis units (decades on a log10 axis, powers of two on a log2 one) from ``lo`` to ``hi``, every one or
+    every few: at most about :data:`MAX_TICKS` labels however wide the range."""
     step = max(1, math.ceil((math.ceil(hi) - math.floor(lo)) / MAX_TICKS))
-    return list(range(math.floor(lo), math.ceil(hi) + 1, step))
+    return [k for k in range(math.floor(lo), math.ceil(hi) + 1, step) if lo <= k <= hi]
 
 
 def _log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
     """Labelled positions from ``lo`` to ``hi`` (log10 units): whole decades, or half decades where fewer than two
     whole ones fall inside."""
-    whole = [float(k) for k in _decades(lo, hi) if lo <= k <= hi]
+    whole = whole_ticks(lo, hi)
     if len(whole) >= 2:
-        return [(k, str(int(k))) for k in whole]
+        return [(float(k), str(k)) for k in whole]
     halves = [k / 2 for k in range(math.ceil(lo * 2), math.floor(hi * 2) + 1)]
     return [(k, f"{k:g}") for k in halves]
 
@@ -205,7 +206,7 @@ def tensor_distributions(table: pd.DataFrame, metrics: pd.DataFrame) -> str | No
         lo, hi = math.floor(lo), max(math.ceil(hi), math.floor(lo) + 1)  # whole decades: at least two labels
         axis = Axis(lo, hi, x0, x0 + panel)
         svg.add("rect", x=_r(x0), y=_r(top), width=_r(panel), height=_r(bottom - top), fill="none", stroke="#bbb")
-        _draw_axis(svg, axis, top, bottom, [(k, _decade_label(k)) for k in _decades(lo, hi) if lo <= k <= hi], label,
+        _draw_axis(svg, axis, top, bottom, [(k, _decade_label(k)) for k in whole_ticks(lo, hi)], label,
                    markup=True)
         for i, (values, color) in enumerate(zip(groups, colors)):
             _box(svg, axis, top + ROW * i + ROW / 2, values, color)
@@ -267,13 +268,6 @@ def _ratio_tick(log2_ratio: float) -> str:
     return f"{value:g}×" if -10 <= log2_ratio <= 13 else f"{value:.0e}×"
 
 
-def ratio_ticks(lo: float, hi: float) -> list[float]:
-    """The drift axis's tick positions (log2 units) from ``lo`` to ``hi``: whole powers of two, at most about
-    :data:`MAX_TICKS` labels however wide the range."""
-    step = max(1.0, np.ceil((np.ceil(hi) - np.floor(lo)) / MAX_TICKS))
-    return [float(t) for t in np.arange(np.floor(lo), np.ceil(hi) + 1, step) if lo <= t <= hi]
-
-
 def drift_plot(drift: DriftResult) -> str | None:
     """Per tensor class, the log2 of current / baseline over matched pairs; lines at 1× and at the gate's factor
     both ways. Red: a regression, green: an improvement, grey: steady."""
@@ -295,7 +289,7 @@ def drift_plot(drift: DriftResult) -> str | None:
     axis = Axis(lo, hi, left, WIDTH - 10)
     svg.add("rect", x=_r(left), y=_r(top), width=_r(WIDTH - 10 - left), height=_r(bottom - top), fill="none",
             stroke="#bbb")
-    _draw_axis(svg, axis, top, bottom, [(t, _ratio_tick(t)) for t in ratio_ticks(lo, hi)],
+    _draw_axis(svg, axis, top, bottom, [(t, _ratio_tick(t)) for t in whole_ticks(lo, hi)],
                f"current / baseline {drift.config.metric} per matched pair (log scale); "
                f"dashed: the {drift.config.factor:g}× gate")
     for x, dash in ((0.0, None), (factor, "4 3"), (-factor, "4 3")):

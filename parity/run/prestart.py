@@ -30,8 +30,8 @@ import sys
 from typing import Optional, Sequence
 
 from parity.run import placement
-from parity.run.usage import parse_workers
 from parity.run.host import host_available_bytes
+from parity.run.usage import parse_workers
 from parity.run.worker import Spawned, _stop_spawned, children_for, same_child, spawn, warm_spec
 
 SWITCH_ENV = "DSV4_PARITY_PRESTART"

@@ -323,7 +323,7 @@ def _run_locked(cases: Sequence[Case], config: RunConfig, device: str, workers: 
             used = slots[:max(1, min(workers, len(todo)))]
             opts = config.options
             warm = warm_spec(opts.impl, opts.against, opts.provider, device)
-            admission = _memory_admission(config.options, device, used, config.peaks)
+            admission = _memory_admission(opts, device, used, config.peaks)
             spares = _prestarted(config, children_for(used, warm))  # from here the pool stops them (close)
             pool = WorkerPool(used, timeout=config.timeout, fresh=(mode == "case"), backfill=len(todo), warm=warm,
                               spares=spares, **admission)

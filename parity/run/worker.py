@@ -64,6 +64,8 @@ THREADS_ENV = "DSV4_PARITY_THREADS"
 PARENT_ENV = "DSV4_PARITY_PARENT"
 #: what a child prepares before its first request (:func:`warm_up`): ``{"impl", "against", "provider", "device"}``
 WARM_ENV = "DSV4_PARITY_WARM"
+
+
 def _cache_dir(name: str) -> Callable[[dict], str]:
     """The directory :func:`fused.kernels.compile_cache.configure_environment` gives a library's compile cache in a
     process with environment ``env``: ``<DSV4_PARITY_CACHE_DIR or ~/.cache/dsv4-parity>/<name>``."""
