@@ -19,7 +19,8 @@ Per query row, with the float64 reference scores ``r`` (``-inf`` where not causa
   ``torch.topk``) is held to the value-based rule above only.
 
 :func:`compare` returns a :class:`TopkReport` with the row counts per regime (the ``topk`` field of the ``case``
-row) and the first mismatch. Structure (width, ``-1`` padding, ascending order, validity) is checked separately by
+row) and the first mismatch. It works on the device its tensors are on: on CUDA the sorts run there and the counts
+come back in one transfer (a passing selection waits for the GPU once). Structure (width, ``-1`` padding, ascending order, validity) is checked separately by
 :mod:`parity.judge.structure`; this module assumes a structurally valid selection.
 """
 
@@ -64,10 +65,10 @@ class TopkReport:
 def reference_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The contract's selection: top ``k`` by score, ties to the lower column, ids ascending, ``-1`` padded.
 
-    ``scores``: ``[R, C]`` with ``-inf`` for invalid columns. Returns ``[R, k]`` int64.
+    ``scores``: ``[R, C]`` with ``-inf`` for invalid columns. Returns ``[R, k]`` int64 on the device of ``scores``.
     """
     R, C = scores.shape
-    out = torch.full((R, k), -1, dtype=torch.int64)
+    out = torch.full((R, k), -1, dtype=torch.int64, device=scores.device)
     if C == 0 or k == 0:
         return out
     # stable descending sort keeps the lower column first among equal scores
@@ -75,7 +76,7 @@ def reference_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     valid = torch.isfinite(torch.gather(scores, 1, order))
     chosen = torch.where(valid, order, torch.full_like(order, C))
     chosen = torch.sort(chosen, dim=1).values
-    chosen[chosen == C] = -1
+    chosen = chosen.masked_fill(chosen == C, -1)  # not chosen[chosen == C]: a boolean index reads the mask back
     out[:, :chosen.shape[1]] = chosen
     return out
 
@@ -83,7 +84,7 @@ def reference_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 def _descending(scores: torch.Tensor, k: int) -> torch.Tensor:
     """``scores [R, C]`` sorted descending, padded with ``-inf`` so that column ``k`` (the (K+1)-th) exists."""
     R, C = scores.shape
-    fill = torch.full((R, max(k + 1 - C, 1)), -math.inf, dtype=torch.float64)
+    fill = torch.full((R, max(k + 1 - C, 1)), -math.inf, dtype=torch.float64, device=scores.device)
     return torch.cat([torch.sort(scores, dim=1, descending=True).values, fill], 1)
 
 
@@ -112,6 +113,8 @@ def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optio
     if rep.rows == 0:
         return rep
     R, C = ref_scores.shape
+    device = ref_scores.device
+    impl_idx = impl_idx.to(device)
     ref_idx = reference_topk(ref_scores, k)
     valid = torch.isfinite(ref_scores)
     n_valid = valid.sum(1)
@@ -120,28 +123,26 @@ def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optio
 
     def row_err(x: Optional[torch.Tensor]) -> torch.Tensor:
         if x is None:
-            return torch.zeros(R, dtype=torch.float64)
+            return torch.zeros(R, dtype=torch.float64, device=device)
         d = torch.where(valid & torch.isfinite(x), (x - ref_scores).abs(), zero)
-        return d.amax(1) if C else torch.zeros(R, dtype=torch.float64)
+        return d.amax(1) if C else torch.zeros(R, dtype=torch.float64, device=device)
 
-    scale = r0.abs().amax(1) if C else torch.zeros(R, dtype=torch.float64)
+    scale = r0.abs().amax(1) if C else torch.zeros(R, dtype=torch.float64, device=device)
     observed = torch.maximum(row_err(impl_scores), row_err(noise_scores))
     delta = margin_factor * (observed + ulps * eps(score_dtype) * scale)
 
     sorted_desc = _descending(ref_scores, k)
     margin = torch.where(n_valid > k, sorted_desc[:, k - 1] - sorted_desc[:, k],
-                         torch.full((R,), math.inf, dtype=torch.float64))
+                         torch.full((R,), math.inf, dtype=torch.float64, device=device))
     clear = margin > 2 * delta
-    rep.clear, rep.tied = int(clear.sum()), int((~clear).sum())
 
     # clear rows: identical sets (both sorted ascending with -1 at the end)
     set_mismatch = clear & (impl_idx != ref_idx).any(1)
-    rep.mismatched_clear = int(set_mismatch.sum())
 
     # tied rows: sorted gathered reference values within 2δ of the true top-k values
     safe = impl_idx.clamp(0, max(C - 1, 0))
     gathered = torch.where(impl_idx >= 0, torch.gather(r0, 1, safe) if C else safe.double(),
-                           torch.full(impl_idx.shape, -math.inf, dtype=torch.float64))
+                           torch.full(impl_idx.shape, -math.inf, dtype=torch.float64, device=device))
     gathered = torch.sort(gathered, dim=1, descending=True).values
     top = sorted_desc[:, :k]
     both_inf = torch.isinf(gathered) & (gathered == top)
@@ -149,13 +150,16 @@ def compare(impl_idx: torch.Tensor, ref_scores: torch.Tensor, impl_scores: Optio
     tol = 2 * delta
     ratio = torch.where(tol > 0, gap / tol, torch.where(gap > 0, math.inf, 0.0))
     tied_bad = (~clear) & (ratio > 1)
-    rep.mismatched_tied = int(tied_bad.sum())
-    if rep.tied:
-        rep.worst_gap_ratio = float(ratio[~clear].max())
-    rule_bad = torch.zeros(R, dtype=torch.bool)
+    exact = rule_bad = torch.zeros(R, dtype=torch.bool, device=device)
     if tie_rule == "lower-index" and impl_scores is not None and k > 0:
-        exact, rule_bad = tie_rule_mismatches(impl_idx, impl_scores, k)
-        rep.exact_tied, rep.mismatched_tie_rule = int(exact.sum()), int(rule_bad.sum())
+        exact, rule_bad = tie_rule_mismatches(impl_idx, impl_scores.to(device), k)
+    # every count and the worst tied ratio in one read (float64 holds counts exactly)
+    counts = [m.sum().double() for m in (clear, ~clear, set_mismatch, tied_bad, exact, rule_bad)]
+    *counted, worst = torch.stack(counts + [torch.where(~clear, ratio, -math.inf).amax()]).tolist()
+    (rep.clear, rep.tied, rep.mismatched_clear, rep.mismatched_tied, rep.exact_tied,
+     rep.mismatched_tie_rule) = (int(n) for n in counted)
+    if rep.tied:
+        rep.worst_gap_ratio = worst
 
     if rep.mismatched_clear:
         row = int(set_mismatch.nonzero()[0, 0])

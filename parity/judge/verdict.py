@@ -37,7 +37,7 @@ from cases.tensors import CaseTensors
 from parity.judge import metrics, topk as topk_protocol
 from parity.judge.location import where_worst
 from parity.judge.padding_dout import TENSOR, verdict_message
-from parity.judge.snapshot import Snapshot, is_row_tensor, real_rows, role, scores_of, tensor_class
+from parity.judge.snapshot import Snapshot, is_row_tensor, role, scores_of, tensor_class
 from parity.policy import Policy, Tolerance
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -243,7 +243,7 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
         if a is None or r is None:
             continue  # absent in both (checked by structure)
         if role(name) == "topk_indices":
-            rep = _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule, precision)
+            rep = _judge_topk(case, name, a, truth, noise, impl, real, policy, base, results, tie_rule, precision)
             report = rep if name == "topk_indices" else report  # the case row's summary: the layer's selection
             continue
         row_set = every if padding_grads and name.startswith("grad/") else real
@@ -272,18 +272,22 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
     return results, report
 
 
-def _judge_topk(case, name, a, truth, noise, impl, mask, policy, base, results, tie_rule, precision):
+def _judge_topk(case, name, a, truth, noise, impl, real: "_RealRows", policy, base, results, tie_rule, precision):
     k = case.config.dsa_indexer_topk
     scores = truth[scores_of(name)]
-    rs = real_rows(metrics.as_f64(scores), mask)
+    # on the truth's device (a CUDA run's selections are judged on the GPU: sorts of [rows, n_comp] scores)
+    device = scores.device
+
+    def f64(x):
+        return real.of(metrics.upcast(x).to(device))
+
     ps = noise[scores_of(name)]
     ims = None if scores_of(name) in impl.not_provided else impl[scores_of(name)]
     knobs = policy.topk(precision)
     score_dtype = torch.float64 if precision == "float64" else torch.float32
-    idx = real_rows(a.cpu().to(torch.int64), mask)
-    rep = topk_protocol.compare(idx.reshape(idx.shape[0], -1), rs,
-                                None if ims is None else real_rows(metrics.as_f64(ims), mask),
-                                None if ps is None else real_rows(metrics.as_f64(ps), mask),
+    idx = real.of(a.detach().to(device=device, dtype=torch.int64))
+    rep = topk_protocol.compare(idx.reshape(idx.shape[0], -1), f64(scores),
+                                None if ims is None else f64(ims), None if ps is None else f64(ps),
                                 k, score_dtype, ulps=float(knobs.get("ulps", 2)),
                                 margin_factor=float(knobs.get("margin_factor", 1.0)), tie_rule=tie_rule)
     rows = [MetricRow("rows", float(rep.rows)), MetricRow("rows_clear", float(rep.clear)),

@@ -103,23 +103,23 @@ def test_compute_equals_the_single_metrics_bit_for_bit():
     assert metrics.compute(bumped, r, p, torch.bfloat16, 2.0)["max_abs"] != metrics.max_abs(a, r)
 
 
-def test_a_whole_case_reads_every_numeric_tensors_metrics_in_one_transfer(monkeypatch):
+def test_a_whole_case_reads_every_numeric_tensors_metrics_in_one_transfer():
     """Every numeric tensor of a THD case with an indexer: their metrics in one read for the case, plus the
-    once-per-case row ids and one count of the causally valid scores per ``index_scores`` tensor (the top-k protocol
-    runs on host copies and is left out here). Control: the single-tensor ``judge_numeric`` reads once per tensor."""
+    once-per-case row ids, one count of the causally valid scores per ``index_scores`` tensor and one read per
+    top-k selection (its protocol's counts). Control: the single-tensor ``judge_numeric`` reads once per tensor."""
     case = pick(layout="thd", loss="sparse")
     tensors, impl, truth, noise = snapshots(case, FUSED, REF, RunOptions())
-    monkeypatch.setattr(verdict, "_judge_topk", lambda *args: None)
     policy = policy_mod.default()
     with HostReads() as reads:
         out, _ = verdict.judge_case_tensors(case, tensors, impl, truth, noise, {}, policy,
                                             policy_provider(impl.record, "torch"))
-    numeric = [t for t in out if t.metrics]
+    numeric = [t for t in out if t.metrics and t.rule != "tie_margin"]
     scores = [t for t in numeric if role(t.name) == "index_scores"]
-    assert len(numeric) >= 15 and scores and None not in out
+    selections = [t for t in out if t.rule == "tie_margin"]
+    assert len(numeric) >= 15 and scores and selections and None not in out
     per_case = 2  # the mask to the host, its row ids (their move to the tensors' device is no host read)
-    assert reads.total <= 1 + len(scores) + per_case, dict(reads.by_op)
-    assert reads.by_op["tolist"] == 1
+    assert reads.total <= 1 + len(scores) + len(selections) + per_case, dict(reads.by_op)
+    assert reads.by_op["tolist"] == 1 + len(selections)
     tol = policy.tolerance("out", "float64", "torch")
     pairs = [(metrics_of(impl[n]), metrics_of(truth[n])) for n in ("out", "lse")]
     with HostReads() as apart:

@@ -129,3 +129,48 @@ def test_the_tie_rule_reads_the_implementations_own_scores():
     assert compare(torch.tensor([[0, 1]]), truth, own, None, 2, torch.float64, tie_rule="lower-index").passed
     with pytest.raises(ValueError, match="tie rule"):
         compare(torch.tensor([[0, 1]]), truth, own, None, 2, torch.float64, tie_rule="highest")
+
+
+def _report(rep) -> dict:
+    return {f: getattr(rep, f) for f in ("rows", "clear", "tied", "mismatched_clear", "mismatched_tied",
+                                         "worst_gap_ratio", "exact_tied", "mismatched_tie_rule", "first_failure")}
+
+
+def test_a_passing_selection_reads_its_counts_back_once():
+    """The protocol's counts and worst tied ratio come back in one transfer (on a GPU one wait per selection, the
+    sorts staying there). Controls: the batch really has tied, clear and exactly tied rows; a failing selection
+    reads its first failure's detail too, and the counts it reports are the per-row checks' own."""
+    from bench.ops import HostReads
+
+    truth, impl_scores, lowp, idx, k = _synthetic(3, problems=20)
+    with HostReads() as reads:
+        rep = compare(idx, truth, impl_scores, lowp, k, torch.float32, tie_rule="lower-index")
+    assert reads.total == 1, dict(reads.by_op)
+    assert rep.passed and rep.tied > 0 and rep.clear > 0 and rep.clear + rep.tied == rep.rows
+    near = compare(idx, lowp, impl_scores, truth, k, torch.float32)  # judged against a noisy truth: gaps > 0
+    assert near.passed and 0 < near.worst_gap_ratio <= 1
+    lower = reference_topk(truth, k)  # quantised scores: exact ties at the K boundary, broken by the rule
+    own = compare(lower, truth, truth, truth, k, torch.float32, tie_rule="lower-index")
+    assert own.passed and own.exact_tied > 0 and own.mismatched_tie_rule == 0
+    bad = idx.clone()
+    bad[0] = torch.where(bad[0] >= 0, (bad[0] + 1) % truth.shape[1], bad[0])
+    with HostReads() as reads:
+        failed = compare(bad, truth, impl_scores, lowp, k, torch.float32)
+    assert not failed.passed and reads.total > 1 and failed.first_failure.startswith("row 0")
+    assert failed.mismatched_clear + failed.mismatched_tied == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rule", ["arbitrary", "lower-index"])
+def test_the_protocol_on_the_gpu_reports_what_it_reports_on_the_cpu(rule):
+    """The same report, field for field, from CUDA tensors as from their CPU copies (sorts, gathers and float64
+    elementwise arithmetic are exact on both), for a passing batch and for one with a wrong row (control)."""
+    truth, impl_scores, lowp, idx, k = _synthetic(5, problems=50)
+    bad = idx.clone()
+    bad[7] = torch.where(bad[7] >= 0, (bad[7] + 3) % truth.shape[1], bad[7])
+    for sel in (idx, bad):
+        on_cpu = compare(sel, truth, impl_scores, lowp, k, torch.float32, tie_rule=rule)
+        on_gpu = compare(sel.cuda(), truth.cuda(), impl_scores.cuda(), lowp.cuda(), k, torch.float32, tie_rule=rule)
+        assert _report(on_gpu) == _report(on_cpu)
+    assert on_cpu.first_failure is not None  # the control failed
