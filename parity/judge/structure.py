@@ -48,42 +48,55 @@ def _fmt_dtype(x: torch.Tensor) -> str:
 
 
 def topk_problems(idx: torch.Tensor, scores: torch.Tensor, k: int) -> list[str]:
-    """Convention problems of a selection ``idx [R, k]`` against reference scores ``[R, C]`` (``-inf`` invalid)."""
+    """Convention problems of a selection ``idx [R, k]`` against reference scores ``[R, C]`` (``-inf`` invalid).
+
+    Checked where ``scores`` are (a CUDA run's on the GPU): every row's flags first, read back in one transfer; only a
+    selection that breaks a convention reads more (its first offending row)."""
     problems = []
     if idx.dtype != torch.int64:
         problems.append(f"dtype {_fmt_dtype(idx)}, expected int64")
     if idx.dim() != 2 or idx.shape[1] != k:
         return problems + [f"width {tuple(idx.shape)[1:]} != K={k}"]
     R, C = scores.shape
-    idx = idx.to(torch.int64)
-    bad_range = (idx < -1) | (idx >= C)
-    if bad_range.any():
-        row = int(bad_range.any(1).nonzero()[0, 0])
-        return problems + [f"row {row}: ids {idx[row].tolist()} outside [-1, {C})"]
+    idx = idx.to(device=scores.device, dtype=torch.int64)
     real = idx >= 0
-    # real entries form a prefix
-    not_prefix = (real[:, 1:] & ~real[:, :-1]).any(1)
-    if not_prefix.any():
-        row = int(not_prefix.nonzero()[0, 0])
-        problems.append(f"row {row}: -1 padding is not at the end: {idx[row].tolist()}")
-    ascending = ((idx[:, 1:] > idx[:, :-1]) | ~real[:, 1:]).all(1)
-    if not ascending.all():
-        row = int((~ascending).nonzero()[0, 0])
-        problems.append(f"row {row}: ids not strictly ascending: {idx[row].tolist()}")
     n_valid = torch.isfinite(scores).sum(1)
-    expected = n_valid.clamp_max(k)
     count = real.sum(1)
-    wrong = count != expected
-    if wrong.any():
-        row = int(wrong.nonzero()[0, 0])
+    picked = torch.gather(scores, 1, idx.clamp(0, C - 1)) if C else torch.zeros_like(idx, dtype=scores.dtype)
+    rows = {  # per row: the convention it breaks (the range first: the others assume ids in range)
+        "range": ((idx < -1) | (idx >= C)).any(1),
+        "prefix": (real[:, 1:] & ~real[:, :-1]).any(1),  # real entries form a prefix
+        "ascending": ~((idx[:, 1:] > idx[:, :-1]) | ~real[:, 1:]).all(1),
+        "count": count != n_valid.clamp_max(k),
+        "invalid": (real & ~torch.isfinite(picked)).any(1) if C else torch.zeros_like(count, dtype=torch.bool),
+    }
+    broken = dict(zip(rows, torch.stack(list(rows.values())).any(1).tolist()))
+
+    def first(kind: str) -> int:
+        return int(rows[kind].nonzero()[0, 0])
+
+    if broken["range"]:
+        row = first("range")
+        return problems + [f"row {row}: ids {idx[row].tolist()} outside [-1, {C})"]
+    if broken["prefix"]:
+        row = first("prefix")
+        problems.append(f"row {row}: -1 padding is not at the end: {idx[row].tolist()}")
+    if broken["ascending"]:
+        row = first("ascending")
+        problems.append(f"row {row}: ids not strictly ascending: {idx[row].tolist()}")
+    if broken["count"]:
+        row = first("count")
         problems.append(f"row {row}: {int(count[row])} real entries, expected min(K={k}, {int(n_valid[row])} valid)")
-    if C:
-        picked = torch.gather(scores, 1, idx.clamp(0, C - 1))
-        invalid = real & ~torch.isfinite(picked)
-        if invalid.any():
-            row = int(invalid.any(1).nonzero()[0, 0])
-            problems.append(f"row {row}: selects causally invalid columns: {idx[row].tolist()}")
+    if broken["invalid"]:
+        row = first("invalid")
+        problems.append(f"row {row}: selects causally invalid columns: {idx[row].tolist()}")
     return problems
+
+
+def _real_rows_of(x: torch.Tensor, mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """:func:`real_rows` by the real rows' ``ids`` (``mask``'s true entries, flat): a gather on ``x``'s device, no
+    boolean mask to read back."""
+    return x.reshape((mask.numel(),) + tuple(x.shape[mask.dim():])).index_select(0, ids.to(x.device))
 
 
 def slack_out_outside(out: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -165,9 +178,9 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
         problems["*"].append(f"the implementation modified {what} in place")
     zero_coeff = case.computes_loss and case.config.dsa_indexer_loss_coeff == 0
     suspects = _suspects(impl, truth, mask, slack, padding_grads, slack_forward_free, slack_keys)
-    # host copies, made in one go: the top-k selections and their scores, and the tensors the screen flagged
-    host = on_host({n: impl[n] for n in impl.names if role(n) == "topk_indices" or n in suspects})
-    truth_scores = on_host({n: truth[n] for n in truth.names if role(n) == "index_scores"})
+    ids = mask.reshape(-1).nonzero().squeeze(1)  # the real rows' ids (the mask is on the host: no device wait)
+    # host copies, made in one go: the tensors the screen flagged (the top-k conventions are checked on the device)
+    host = on_host({n: impl[n] for n in impl.names if role(n) != "topk_indices" and n in suspects})
 
     for name in dict.fromkeys(expect.names + impl.names):
         if name in impl.not_provided:
@@ -226,7 +239,7 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
         elif role(name) == "index_scores":
             t = truth[name]
             if t is not None:
-                fa, ft = torch.isfinite(real_rows(a, mask)), torch.isfinite(real_rows(truth_scores[name], mask))
+                fa, ft = torch.isfinite(real_rows(a, mask)), torch.isfinite(real_rows(t.detach().cpu(), mask))
                 if not torch.equal(fa, ft):
                     problems[name].append(f"finite (causally valid) pattern differs on {int((fa != ft).sum())} "
                                           "real-row entries")
@@ -250,7 +263,7 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
             problems[name].append(f"the reference returned no {scores_of(name)} to check the selection against")
         else:
             k = case.config.dsa_indexer_topk
-            ir = real_rows(host[name], mask)
-            sr = real_rows(truth_scores[scores_of(name)].to(torch.float64), mask)
+            ir = _real_rows_of(idx.detach().to(scores.device), mask, ids)
+            sr = _real_rows_of(scores.detach().to(torch.float64), mask, ids)
             problems[name] += topk_problems(ir.reshape(ir.shape[0], -1) if ir.dim() > 1 else ir, sr, k)
     return {k: v for k, v in problems.items() if v}

@@ -174,3 +174,21 @@ def test_the_protocol_on_the_gpu_reports_what_it_reports_on_the_cpu(rule):
         on_gpu = compare(sel.cuda(), truth.cuda(), impl_scores.cuda(), lowp.cuda(), k, torch.float32, tie_rule=rule)
         assert _report(on_gpu) == _report(on_cpu)
     assert on_cpu.first_failure is not None  # the control failed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_conventions_on_the_gpu_read_as_on_the_cpu():
+    """``topk_problems`` names the same problems from CUDA tensors as from CPU copies: a well-formed batch (none)
+    and each convention break of a row (controls)."""
+    truth, _, _, idx, k = _synthetic(2, problems=10)
+    broken = [idx]
+    for change in (lambda t: t.__setitem__((4, 0), truth.shape[1]),    # out of range
+                   lambda t: t.__setitem__((5, 0), -1),                 # -1 before a real id / fewer entries
+                   lambda t: t.__setitem__(6, t[6].flip(0))):           # not ascending
+        bad = idx.clone()
+        change(bad)
+        broken.append(bad)
+    for sel in broken:
+        assert topk_problems(sel.cuda(), truth.cuda(), k) == topk_problems(sel, truth, k)
+    assert all(topk_problems(sel, truth, k) for sel in broken[1:])
