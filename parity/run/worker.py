@@ -92,6 +92,26 @@ SELF_SET: dict[str, Callable[[dict], str]] = {
 }
 
 
+#: the compile caches' variables of :data:`SELF_SET` (:func:`fused.kernels.compile_cache.configure_environment`'s)
+COMPILE_CACHE_DIRS = ("CUTE_DSL_CACHE_DIR", "CUDNN_FRONTEND_COMPILED_CACHE", "TRITON_CACHE_DIR",
+                      "TORCHINDUCTOR_CACHE_DIR")
+
+
+def point_compile_caches(env=None) -> dict:
+    """Set each of :data:`COMPILE_CACHE_DIRS` that ``env`` (default this process's environment) leaves unset to the
+    project's directory, the value a child gives it itself (:data:`SELF_SET`); returns what it set. Torch-free.
+
+    ``run`` calls it before torch loads: otherwise the first import of ``torch._dynamo`` (Megatron's layer modules
+    import it, through ``torch.compile``) sets ``TORCHINDUCTOR_CACHE_DIR`` to torch's default,
+    ``/tmp/torchinductor_<user>``, in the parent, which then starts its children with another inductor cache than
+    the ones started early (never adopted: the 2026-12-08 H100 production gate took 0 of 6) and than its own
+    fused-path children."""
+    env = os.environ if env is None else env
+    unset = {k: SELF_SET[k](dict(env)) for k in COMPILE_CACHE_DIRS if not env.get(k)}
+    env.update(unset)
+    return unset
+
+
 def child_command() -> list[str]:
     """The worker child's command line."""
     return [sys.executable, "-m", "parity.run.worker"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -267,3 +269,31 @@ def test_promoted_islands_reach_float64_agreement(monkeypatch):
         return max(m.value for t in result.tensors for m in t.metrics if m.metric == "rel_l2")
 
     assert worst(wide) < 1e-13 < 1e-9 < worst(plain)
+
+
+@needs_megatron
+def test_a_production_run_adopts_the_workers_it_started_early(tmp_path):
+    """``run --impl megatron`` with 2 workers takes both children it started before torch loaded: Megatron's modules
+    import ``torch._dynamo``, which would give the parent torch's default inductor cache, unless the run pointed the
+    compile caches first (``parity.run.worker.point_compile_caches``). Negative control: without that, both children
+    are started anew and the note names the variable."""
+    from parity.run.worker import SELF_SET
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in SELF_SET}
+    env["PYTHONPATH"] = str(repo)
+    code = ("import sys\n"
+            "import parity.run.prestart as prestart\n"
+            "if sys.argv[1] == 'off': prestart.point_compile_caches = lambda *a, **k: {}\n"
+            "from cli.main import main\n"
+            "raise SystemExit(main(['run', '--suite', 'smoke', '--impl', 'megatron', '--limit', '2', '--workers', '2',\n"
+            "                       '--device', 'cpu', '--out', sys.argv[2], '--quiet']))")
+    seen = {}
+    for how in ("on", "off"):
+        out = tmp_path / how
+        done = subprocess.run([sys.executable, "-c", code, how, str(out)], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        end = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()][-1]
+        seen[how] = (end["occupancy"]["prestarted"], "TORCHINDUCTOR_CACHE_DIR" in done.stderr)
+    assert seen == {"on": (2, False), "off": (0, True)}

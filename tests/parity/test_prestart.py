@@ -235,3 +235,30 @@ def test_a_usage_error_after_the_early_start_stops_its_children_and_weighs_memor
     # the control: without the early start the check reads the host now, and the run goes ahead
     monkeypatch.setenv(prestart.SWITCH_ENV, "0")
     assert main([*argv[:-1], str(tmp_path / "again")]) == 0 and len(made) == 1
+
+
+def test_the_parent_points_the_compile_caches_before_torch_picks_its_own(tmp_path):
+    """``point_compile_caches`` gives each unset compile-cache variable the value a child gives it itself and keeps a
+    user's; in a process that calls it before importing ``torch._dynamo``, torch keeps the project's inductor cache.
+    Negative control: without it, importing ``torch._dynamo`` sets torch's default, which makes a fresh child differ
+    from one started before (``same_child`` names the variable)."""
+    from parity.run.worker import COMPILE_CACHE_DIRS, point_compile_caches
+
+    env = {"HOME": str(tmp_path), "TRITON_CACHE_DIR": "/mine"}
+    assert point_compile_caches(env) == {k: SELF_SET[k](env) for k in COMPILE_CACHE_DIRS if k != "TRITON_CACHE_DIR"}
+    assert env["TRITON_CACHE_DIR"] == "/mine" and env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / ".cache" /
+                                                                                      "dsv4-parity" / "inductor")
+    code = ("import os, sys\n"
+            "from parity.run.worker import point_compile_caches\n"
+            "if sys.argv[1] == 'point': point_compile_caches()\n"
+            "import torch._dynamo\n"
+            "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
+    base = {k: v for k, v in os.environ.items() if k not in SELF_SET}
+    base.update(PYTHONPATH=str(REPO), DSV4_PARITY_CACHE_DIR=str(tmp_path / "cache"))
+    seen = {how: subprocess.run([sys.executable, "-c", code, how], cwd=REPO, env=base, capture_output=True, text=True,
+                                timeout=300).stdout.strip().splitlines()[-1] for how in ("point", "not")}
+    assert seen["point"] == str(tmp_path / "cache" / "inductor")
+    assert seen["not"] != seen["point"] and seen["not"] != "None"  # torch set its own default
+    assert same_child((["x"], base), (["x"], dict(base, TORCHINDUCTOR_CACHE_DIR=seen["not"]))) == \
+        ["TORCHINDUCTOR_CACHE_DIR"]
+    assert same_child((["x"], base), (["x"], dict(base, TORCHINDUCTOR_CACHE_DIR=seen["point"]))) == []
