@@ -71,25 +71,19 @@ def topk_problems(idx: torch.Tensor, scores: torch.Tensor, k: int) -> list[str]:
         "invalid": (real & ~torch.isfinite(picked)).any(1) if C else torch.zeros_like(count, dtype=torch.bool),
     }
     broken = dict(zip(rows, torch.stack(list(rows.values())).any(1).tolist()))
-
-    def first(kind: str) -> int:
-        return int(rows[kind].nonzero()[0, 0])
-
-    if broken["range"]:
-        row = first("range")
-        return problems + [f"row {row}: ids {idx[row].tolist()} outside [-1, {C})"]
-    if broken["prefix"]:
-        row = first("prefix")
-        problems.append(f"row {row}: -1 padding is not at the end: {idx[row].tolist()}")
-    if broken["ascending"]:
-        row = first("ascending")
-        problems.append(f"row {row}: ids not strictly ascending: {idx[row].tolist()}")
-    if broken["count"]:
-        row = first("count")
-        problems.append(f"row {row}: {int(count[row])} real entries, expected min(K={k}, {int(n_valid[row])} valid)")
-    if broken["invalid"]:
-        row = first("invalid")
-        problems.append(f"row {row}: selects causally invalid columns: {idx[row].tolist()}")
+    says = {  # what each broken convention's first row reads (read only for a broken selection)
+        "range": lambda r: f"ids {idx[r].tolist()} outside [-1, {C})",
+        "prefix": lambda r: f"-1 padding is not at the end: {idx[r].tolist()}",
+        "ascending": lambda r: f"ids not strictly ascending: {idx[r].tolist()}",
+        "count": lambda r: f"{int(count[r])} real entries, expected min(K={k}, {int(n_valid[r])} valid)",
+        "invalid": lambda r: f"selects causally invalid columns: {idx[r].tolist()}",
+    }
+    for kind, say in says.items():
+        if broken[kind]:
+            row = int(rows[kind].nonzero()[0, 0])
+            problems.append(f"row {row}: {say(row)}")
+            if kind == "range":
+                return problems  # the other checks assume ids in range
     return problems
 
 
