@@ -20,8 +20,9 @@ Per query row, with the float64 reference scores ``r`` (``-inf`` where not causa
 
 :func:`compare` returns a :class:`TopkReport` with the row counts per regime (the ``topk`` field of the ``case``
 row) and the first mismatch. It works on the device its tensors are on: on CUDA the sorts run there and the counts
-come back in one transfer (a passing selection waits for the GPU once). Structure (width, ``-1`` padding, ascending order, validity) is checked separately by
-:mod:`parity.judge.structure`; this module assumes a structurally valid selection.
+come back in one transfer (a passing selection waits for the GPU once). Structure (width, ``-1`` padding, ascending
+order, validity) is checked separately by :mod:`parity.judge.structure`; this module assumes a structurally valid
+selection.
 """
 
 from __future__ import annotations
