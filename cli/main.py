@@ -197,7 +197,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         precheck(args)
         if args.command == "run":  # its workers start now, beside torch's import here (parity.run.prestart)
             from parity.run.prestart import begin
+            from parity.run.worker import point_compile_caches
 
+            point_compile_caches()  # before anything torch imports picks its own (the early children share them)
             args.prestart = begin(args)
         if not (torch_free(args) if callable(torch_free) else torch_free):
             load_torch()

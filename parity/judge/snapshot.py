@@ -203,6 +203,21 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return flat[mask.reshape(-1).to(flat.device)]
 
 
+class RealRows:
+    """:func:`real_rows` by a gather on the tensors' device: the mask's row ids go to each device once per case
+    (boolean indexing would copy the mask and count its true entries, a device sync, for every tensor).
+    ``mask``: the host's bool ``[B, S]`` / ``[T]``."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask, self.ids, self._on = mask, mask.reshape(-1).nonzero().squeeze(1), {}
+
+    def of(self, x: torch.Tensor) -> torch.Tensor:
+        ids = self._on.get(x.device)
+        if ids is None:
+            ids = self._on[x.device] = self.ids.to(x.device)
+        return x.reshape((self.mask.numel(),) + tuple(x.shape[self.mask.dim():])).index_select(0, ids)
+
+
 def other_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The non-real rows (padding and slack) of a row tensor as ``[R_pad, ...]``."""
     return real_rows(x, ~mask)

@@ -27,8 +27,8 @@ from cases.case import Case
 from cases.tensors import CaseTensors
 
 from parity.judge.location import first_where, row_mask
-from parity.judge.snapshot import (INPUT_ORDER, Snapshot, is_row_tensor, on_host, other_rows, read_flags, real_rows,
-                                   role, scores_of)
+from parity.judge.snapshot import (INPUT_ORDER, RealRows, Snapshot, is_row_tensor, on_host, other_rows, read_flags,
+                                   real_rows, role, scores_of)
 
 
 INDEXER_GRADS = "grad/core_attention.indexer."
@@ -85,12 +85,6 @@ def topk_problems(idx: torch.Tensor, scores: torch.Tensor, k: int) -> list[str]:
             if kind == "range":
                 return problems  # the other checks assume ids in range
     return problems
-
-
-def _real_rows_of(x: torch.Tensor, mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """:func:`real_rows` by the real rows' ``ids`` (``mask``'s true entries, flat): a gather on ``x``'s device, no
-    boolean mask to read back."""
-    return x.reshape((mask.numel(),) + tuple(x.shape[mask.dim():])).index_select(0, ids.to(x.device))
 
 
 def slack_out_outside(out: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -172,7 +166,7 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
         problems["*"].append(f"the implementation modified {what} in place")
     zero_coeff = case.computes_loss and case.config.dsa_indexer_loss_coeff == 0
     suspects = _suspects(impl, truth, mask, slack, padding_grads, slack_forward_free, slack_keys)
-    ids = mask.reshape(-1).nonzero().squeeze(1)  # the real rows' ids (the mask is on the host: no device wait)
+    real = RealRows(mask)  # the top-k checks' real rows, gathered where the tensors are
     # host copies, made in one go: the tensors the screen flagged (the top-k conventions are checked on the device)
     host = on_host({n: impl[n] for n in impl.names if role(n) != "topk_indices" and n in suspects})
 
@@ -257,7 +251,7 @@ def check(case: Case, tensors: CaseTensors, impl: Snapshot, expect: Snapshot, tr
             problems[name].append(f"the reference returned no {scores_of(name)} to check the selection against")
         else:
             k = case.config.dsa_indexer_topk
-            ir = _real_rows_of(idx.detach().to(scores.device), mask, ids)
-            sr = _real_rows_of(scores.detach().to(torch.float64), mask, ids)
+            ir = real.of(idx.detach().to(scores.device))
+            sr = real.of(scores.detach().to(torch.float64))
             problems[name] += topk_problems(ir.reshape(ir.shape[0], -1) if ir.dim() > 1 else ir, sr, k)
     return {k: v for k, v in problems.items() if v}

@@ -37,7 +37,7 @@ from cases.tensors import CaseTensors
 from parity.judge import metrics, topk as topk_protocol
 from parity.judge.location import where_worst
 from parity.judge.padding_dout import TENSOR, verdict_message
-from parity.judge.snapshot import Snapshot, is_row_tensor, role, scores_of, tensor_class
+from parity.judge.snapshot import RealRows, Snapshot, is_row_tensor, role, scores_of, tensor_class
 from parity.policy import Policy, Tolerance
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -187,7 +187,7 @@ def judge_numeric_values(pending: NumericPending, read: dict) -> tuple[str, str,
     return "pass", rule or "noise_floor", rows, ""
 
 
-def _restrict(name: str, x: torch.Tensor, real: "_RealRows") -> torch.Tensor:
+def _restrict(name: str, x: torch.Tensor, real: RealRows) -> torch.Tensor:
     x = metrics.upcast(x)
     return real.of(x) if is_row_tensor(name) else x
 
@@ -195,20 +195,6 @@ def _restrict(name: str, x: torch.Tensor, real: "_RealRows") -> torch.Tensor:
 def _shares(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether ``x`` is (a view of) ``y``'s memory: not a copy the comparison may overwrite."""
     return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
-
-
-class _RealRows:
-    """:func:`real_rows` by a gather on the tensors' device: the mask's row ids go to each device once per case
-    (boolean indexing would copy the mask and count its true entries, a device sync, for every tensor)."""
-
-    def __init__(self, mask: torch.Tensor):
-        self.mask, self.ids, self._on = mask, mask.reshape(-1).nonzero().squeeze(1), {}
-
-    def of(self, x: torch.Tensor) -> torch.Tensor:
-        ids = self._on.get(x.device)
-        if ids is None:
-            ids = self._on[x.device] = self.ids.to(x.device)
-        return x.reshape((self.mask.numel(),) + tuple(x.shape[self.mask.dim():])).index_select(0, ids)
 
 
 def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: Snapshot, noise: Snapshot,
@@ -223,8 +209,8 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
     are non-zero on padding rows (a known deviation's model, :mod:`parity.deviations.known_models`): they are compared on every
     row."""
     mask = tensors.real_rows.cpu()
-    real = _RealRows(mask)
-    every = _RealRows(torch.ones_like(mask)) if padding_grads else real
+    real = RealRows(mask)
+    every = RealRows(torch.ones_like(mask)) if padding_grads else real
     precision = precision or case.dtype
     results, report = [], None
     pending: list[tuple[int, NumericPending, dict, tuple]] = []  # (place in results, reductions, base, for where_worst)
@@ -272,7 +258,7 @@ def judge_case_tensors(case: Case, tensors: CaseTensors, impl: Snapshot, truth: 
     return results, report
 
 
-def _judge_topk(case, name, a, truth, noise, impl, real: "_RealRows", policy, base, results, tie_rule, precision):
+def _judge_topk(case, name, a, truth, noise, impl, real: RealRows, policy, base, results, tie_rule, precision):
     k = case.config.dsa_indexer_topk
     scores = truth[scores_of(name)]
     # on the truth's device (a CUDA run's selections are judged on the GPU: sorts of [rows, n_comp] scores)

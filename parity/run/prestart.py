@@ -32,8 +32,7 @@ from typing import Optional, Sequence
 from parity.run import placement
 from parity.run.host import host_available_bytes
 from parity.run.usage import parse_workers
-from parity.run.worker import (Spawned, _stop_spawned, children_for, point_compile_caches, same_child, spawn,
-                               warm_spec)
+from parity.run.worker import Spawned, _stop_spawned, children_for, same_child, spawn, warm_spec
 
 SWITCH_ENV = "DSV4_PARITY_PRESTART"
 
@@ -150,7 +149,6 @@ class Prestart:
 
 def begin(args: argparse.Namespace) -> Optional[Prestart]:
     """Start the children of ``run`` with ``args`` now (None where none is started: :func:`planned_children`)."""
-    point_compile_caches()  # the parent's, before anything it imports picks its own (early children or not)
     try:
         planned = planned_children(args)
         return Prestart.spawn(planned) if planned else None

@@ -76,6 +76,11 @@ def _cache_dir(name: str) -> Callable[[dict], str]:
     return value
 
 
+#: the compile caches' variables and their directories under the project's root
+#: (:func:`fused.kernels.compile_cache.configure_environment`'s)
+_COMPILE_CACHES = {"CUTE_DSL_CACHE_DIR": "cute-dsl", "CUDNN_FRONTEND_COMPILED_CACHE": "cudnn-frontend",
+                   "TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+COMPILE_CACHE_DIRS = tuple(_COMPILE_CACHES)
 #: variables every worker child sets for itself when unset, to the value given here as a function of the rest of
 #: its environment: the determinism settings of :func:`parity.engine.configure_torch`, torch's
 #: ``CUDA_MODULE_LOADING`` (as CUDA starts) and the compile caches' directories
@@ -85,24 +90,16 @@ SELF_SET: dict[str, Callable[[dict], str]] = {
     "CUBLAS_WORKSPACE_CONFIG": lambda env: ":4096:8",
     "TORCHINDUCTOR_DETERMINISTIC": lambda env: "1",
     "CUDA_MODULE_LOADING": lambda env: "LAZY",
-    "CUTE_DSL_CACHE_DIR": _cache_dir("cute-dsl"),
-    "CUDNN_FRONTEND_COMPILED_CACHE": _cache_dir("cudnn-frontend"),
-    "TRITON_CACHE_DIR": _cache_dir("triton"),
-    "TORCHINDUCTOR_CACHE_DIR": _cache_dir("inductor"),
+    **{variable: _cache_dir(name) for variable, name in _COMPILE_CACHES.items()},
 }
-
-
-#: the compile caches' variables of :data:`SELF_SET` (:func:`fused.kernels.compile_cache.configure_environment`'s)
-COMPILE_CACHE_DIRS = ("CUTE_DSL_CACHE_DIR", "CUDNN_FRONTEND_COMPILED_CACHE", "TRITON_CACHE_DIR",
-                      "TORCHINDUCTOR_CACHE_DIR")
 
 
 def point_compile_caches(env=None) -> dict:
     """Set each of :data:`COMPILE_CACHE_DIRS` that ``env`` (default this process's environment) leaves unset to the
     project's directory, the value a child gives it itself (:data:`SELF_SET`); returns what it set. Torch-free.
 
-    ``run`` calls it before torch loads: otherwise the first import of ``torch._dynamo`` (Megatron's layer modules
-    import it, through ``torch.compile``) sets ``TORCHINDUCTOR_CACHE_DIR`` to torch's default,
+    ``run`` calls it before torch loads (``cli.main``): otherwise the first import of ``torch._dynamo`` (Megatron's
+    layer modules import it, through ``torch.compile``) sets ``TORCHINDUCTOR_CACHE_DIR`` to torch's default,
     ``/tmp/torchinductor_<user>``, in the parent, which then starts its children with another inductor cache than
     the ones started early (never adopted: the 2026-12-08 H100 production gate took 0 of 6) and than its own
     fused-path children."""

@@ -283,8 +283,8 @@ def test_a_production_run_adopts_the_workers_it_started_early(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in SELF_SET}
     env["PYTHONPATH"] = str(repo)
     code = ("import sys\n"
-            "import parity.run.prestart as prestart\n"
-            "if sys.argv[1] == 'off': prestart.point_compile_caches = lambda *a, **k: {}\n"
+            "import parity.run.worker as worker\n"
+            "if sys.argv[1] == 'off': worker.point_compile_caches = lambda *a, **k: {}\n"
             "from cli.main import main\n"
             "raise SystemExit(main(['run', '--suite', 'smoke', '--impl', 'megatron', '--limit', '2', '--workers', '2',\n"
             "                       '--device', 'cpu', '--out', sys.argv[2], '--quiet']))")
