@@ -2,9 +2,10 @@
 test, with no edit of Megatron's files.
 
 Public API (ARCHITECTURE.md): ``attention_layer``, ``core_attention`` (production's layer / core attention; every
-output field is production's own tensor, read by recorders); ``indexer`` (production's lightning indexer module
-alone, on the ``unfused`` provider) and ``query_latent`` (the ``qr`` production's layer hands its core attention):
-what sign-split observes a case's indexer heads through. ``compressor`` is not provided.
+output field is production's own tensor, read by recorders); ``indexer`` (production's lightning indexer: the module
+alone on the ``unfused`` provider, the eval core forward stopped once the kernels have scored on the fused ones) and
+``query_latent`` (the ``qr`` production's layer hands its core attention): what sign-split observes a case's indexer
+heads through. ``compressor`` is not provided.
 
 Harness hooks (``parity/impls.py``): ``use_backend(provider=..., require=...)`` and ``available_providers()`` —
 providers ``unfused`` / ``emulated`` / ``cudnn`` (:mod:`adapters.megatron.providers`); ``observe_kernels(observer)``

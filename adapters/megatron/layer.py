@@ -189,36 +189,71 @@ def _visible_compressed(rows: int, ratio: int, device) -> torch.Tensor:
 
 def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, torch.Tensor], config: ModelConfig,
             packed_seq_params: Optional[PackedSeqParams] = None) -> tuple:
-    """Production's lightning indexer alone (``core_attention.indexer``, its eval forward) on ``hidden`` and
-    ``q_latent`` BSHD ``[B, S, ..]`` / THD ``[T, ..]`` -> ``(index_scores, topk_indices)`` in the contract's layout,
-    read by the recorders from the same production calls the core forward's eval path makes (``index_scores``
-    ``[B, S, n_comp]`` / ``[T, width]``, masked entries ``-inf``; ``None`` where production computes none).
+    """Production's lightning indexer on ``hidden`` and ``q_latent`` BSHD ``[B, S, ..]`` / THD ``[T, ..]`` ->
+    ``(index_scores, topk_indices)`` in the contract's layout, read by the recorders from the production calls the
+    core forward's eval path makes (``index_scores`` ``[B, S, n_comp]`` / ``[T, width]``, masked entries ``-inf``;
+    ``None`` where production computes none). No gradient; CP 1 only.
 
-    Only on the ``unfused`` provider, whose eval core forward calls this module itself (the fused paths score with
-    the kernels: there this raises :class:`CaseError`). BSHD gets the causal mask production's core forward hands
-    the module (visible ``j < (t + 1) // r``); THD gets none (production's row bounds). No gradient."""
-    if current() != "unfused" or cp.size() > 1:
-        raise CaseError("indexer", f"production's indexer alone runs on the unfused provider at CP 1 only "
-                                   f"(provider {current()}, CP {cp.size()})")
+    * ``unfused`` provider: the indexer module alone (``core_attention.indexer``), as the eval core forward calls it.
+      BSHD gets the causal mask production's core forward hands the module (visible ``j < (t + 1) // r``); THD gets
+      none (production's row bounds).
+    * fused providers (``emulated``, ``cudnn``): there the kernels score, inside the core forward, so this is that
+      forward (eval), stopped once its ``_indexer_topk_core`` has returned (:class:`recorders.ScoresRecorded`): the
+      sparse attention and everything after it do not run. The core's query and KV are zeros: the fused path reads
+      them only for the attention and its KV layout (never for the scores), which is what sign-split's bit-for-bit
+      agreement check with the case's own forward confirms before it uses this."""
+    if cp.size() > 1:
+        raise CaseError("indexer", f"production's indexer alone runs at CP 1 only (CP {cp.size()})")
     if not config.has_indexer:
         raise CaseError("indexer", "the case's layer has no indexer")
     packed = packed_seq_params is not None
     lead = tuple(hidden.shape[:1] if packed else hidden.shape[:2])
-    own = _under(params, INDEXER_PREFIX)
     with torch.no_grad(), run_context(current(), config, hidden, False) as (mg, built):
-        module = built.module.core_attention.indexer
-        _check_covered(built, own, INDEXER_PREFIX)
-        if packed:
-            x, qr, mask = hidden.unsqueeze(1), q_latent.unsqueeze(1), None
-            psp = _megatron_psp(mg, packed_seq_params, hidden.shape[0])
+        psp = _megatron_psp(mg, packed_seq_params, hidden.shape[0]) if packed else None
+        x = hidden.unsqueeze(1) if packed else hidden.transpose(0, 1)
+        qr = q_latent.unsqueeze(1) if packed else q_latent.transpose(0, 1)
+        if current() == "unfused":
+            record = _indexer_module(mg, built, x, qr, params, psp, config)
         else:
-            x, qr, psp = hidden.transpose(0, 1), q_latent.transpose(0, 1), None
-            mask = _visible_compressed(hidden.shape[1], config.compress_ratio, hidden.device)
-            mask = mask.unsqueeze(0).expand(hidden.shape[0], -1, -1)
-        with recorders.recording(mg) as record:
-            functional_call(module, own, (x, qr), {"mask": mask, "packed_seq_params": psp}, strict=False)
+            record = _core_until_scored(mg, built, x, qr, params, psp, config)
     topk, scores, _ = _indexer_outputs(record, config, packed_seq_params, lead)
     return (None if scores is None else scores.to(_wide(hidden.dtype))), topk
+
+
+def _indexer_module(mg, built, x: torch.Tensor, qr: torch.Tensor, params: Mapping[str, torch.Tensor], psp,
+                    config: ModelConfig) -> recorders.Record:
+    """The unfused provider's indexer module alone on production's ``x`` / ``qr`` (``[S, B, ..]`` / ``[T, 1, ..]``,
+    ``psp`` None for BSHD); its record."""
+    own = _under(params, INDEXER_PREFIX)
+    _check_covered(built, own, INDEXER_PREFIX)
+    mask = None
+    if psp is None:
+        rows, batch = x.shape[0], x.shape[1]
+        mask = _visible_compressed(rows, config.compress_ratio, x.device).unsqueeze(0).expand(batch, -1, -1)
+    with recorders.recording(mg) as record:
+        functional_call(built.module.core_attention.indexer, own, (x, qr), {"mask": mask, "packed_seq_params": psp},
+                        strict=False)
+    return record
+
+
+def _core_until_scored(mg, built, x: torch.Tensor, qr: torch.Tensor, params: Mapping[str, torch.Tensor], psp,
+                       config: ModelConfig) -> recorders.Record:
+    """A fused provider's eval core forward on production's ``x`` / ``qr``, zero query and KV, stopped once its
+    ``_indexer_topk_core`` has returned; its record (no ``fused_scores`` when production scored nothing: then the
+    forward ran to its end)."""
+    core_params = _under(params, CORE_PREFIX)
+    _check_covered(built, core_params, CORE_PREFIX)
+    n, d = config.num_attention_heads, config.v_head_dim
+    lead = x.shape[:1] if psp is not None else x.shape[:2]
+    query = x.new_zeros(tuple(lead) + (n, d))
+    key = x.new_zeros(tuple(lead) + (1, d)) if psp is None else x.new_zeros(lead[0], 1, 1, d)
+    with recorders.recording(mg, stop_after_scores=True) as record:
+        try:
+            functional_call(built.module.core_attention, core_params, (query, key, key, None),
+                            {"x": x, "qr": qr, "packed_seq_params": psp}, strict=False)
+        except recorders.ScoresRecorded:
+            pass
+    return record
 
 
 class _QueryLatentSeen(Exception):

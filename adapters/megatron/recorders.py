@@ -21,7 +21,8 @@ Recorded (the last forward call wins):
   (``fused_qk_topk_naive_thd``, ``fwd_fused_indexer_loss_naive_thd``) with the loop's own offsets;
 * ``loss`` — ``DSAIndexerLossAutoScaler.apply(output, indexer_loss)``: the loss production attaches to the output;
 * ``lse`` — the fused module's FlashMLA adapter (``_csa_fwd_flash_mla`` / ``_dsa_fwd_flash_mla``); ``fused_topk`` /
-  ``fused_scores`` — its ``_indexer_topk_core`` (fused paths).
+  ``fused_scores`` — its ``_indexer_topk_core`` (fused paths; with ``stop_after_scores`` that call ends the forward,
+  :class:`ScoresRecorded`).
 """
 
 from __future__ import annotations
@@ -143,11 +144,18 @@ def _wrap_kv_full(original, record: Record):
     return build_cu_seqlens_kv_full
 
 
-def _wrap_topk_core(original, record: Record):
+class ScoresRecorded(Exception):
+    """Raised by the fused path's top-k recorder in a :func:`recording` with ``stop_after_scores``: production has
+    scored its indexer (``fused_topk`` / ``fused_scores`` are kept) and nothing after that call is wanted."""
+
+
+def _wrap_topk_core(original, record: Record, stop: bool = False):
     def _indexer_topk_core(*args, **kwargs):
         topk, length, scores = original(*args, **kwargs)
         record.keep("fused_topk", topk)
         record.keep("fused_scores", scores)
+        if stop:
+            raise ScoresRecorded
         return topk, length, scores
 
     return _indexer_topk_core
@@ -159,8 +167,9 @@ def patched(module, name: str, value):
 
 
 @contextlib.contextmanager
-def recording(mg: Megatron) -> Iterator[Record]:
-    """Install the recorders for one production call; yields the :class:`Record` they fill."""
+def recording(mg: Megatron, *, stop_after_scores: bool = False) -> Iterator[Record]:
+    """Install the recorders for one production call; yields the :class:`Record` they fill. ``stop_after_scores``:
+    the fused path's ``_indexer_topk_core`` raises :class:`ScoresRecorded` once its result is kept."""
     record = Record()
     csa, dsa, generation = mg.module("csa"), mg.module("dsa"), mg.generation
     with contextlib.ExitStack() as stack:
@@ -189,7 +198,8 @@ def recording(mg: Megatron) -> Iterator[Record]:
         fused = mg.fused()  # read on the fused path (emulated / cudnn providers)
         flash = generation.flash_forward
         stack.enter_context(patched(fused, flash, _wrap_flash(getattr(fused, flash), record)))
-        stack.enter_context(patched(fused, "_indexer_topk_core", _wrap_topk_core(fused._indexer_topk_core, record)))
+        stack.enter_context(patched(fused, "_indexer_topk_core",
+                                    _wrap_topk_core(fused._indexer_topk_core, record, stop_after_scores)))
         yield record
 
 

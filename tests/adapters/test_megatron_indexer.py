@@ -1,8 +1,11 @@
-"""Production's lightning indexer alone (``adapters.megatron.indexer``): on the unfused provider its scores are the
-core forward's eval ``index_scores`` bit for bit, so sign-split observes a core case's heads through it (one indexer
-call a head instead of one core forward); on the fused providers it declines and the core forward observes them."""
+"""Production's lightning indexer (``adapters.megatron.indexer``): its scores are the core forward's eval
+``index_scores`` bit for bit, so sign-split observes a case's heads through it (one indexer call a head instead of one
+case forward). On the unfused provider it is the indexer module alone; on the fused providers it is the core forward
+stopped once the kernels have scored (no sparse attention runs)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -60,14 +63,54 @@ def test_layer_heads_go_through_the_indexer_on_productions_own_query_latent(mega
     assert tuple(qr.shape) == lead + (case.config.q_lora_rank,)
 
 
-def test_the_fused_paths_decline_and_the_core_forward_observes(megatron):
-    case = _case("core", True)
+@pytest.mark.parametrize("scope,thd", [("core", False), ("core", True), ("layer", False), ("layer", True)],
+                         ids=["core-bshd", "core-thd", "layer-bshd", "layer-thd"])
+def test_the_fused_path_observes_through_its_core_forward_stopped_after_scoring(megatron, scope, thd):
+    """On the emulated provider every head after the agreement check goes through ``indexer`` (the core forward cut
+    short), and the pattern is the per-head case forward's."""
+    case = _case(scope, thd)
     tensors = materialize(case, "cpu")
-    with megatron.context("emulated")(), pytest.raises(CaseError, match="unfused provider"):
-        megatron.api.indexer(tensors.inputs["hidden"], tensors.inputs["q_latent"], tensors.params, case.config,
-                             tensors.packed_seq_params)
-    _, probe, calls = _observe(megatron, case, tensors, "emulated")
-    assert probe == "core_attention" and calls["core_attention"] == case.config.dsa_indexer_n_heads
+    active, probe, calls = _observe(megatron, case, tensors, "emulated")
+    plain, plain_probe, plain_calls = _observe(megatron, case, tensors, "emulated", indexer=None)
+    entry = sign_split.entry_point(case)
+    heads = case.config.dsa_indexer_n_heads
+    assert (probe, plain_probe) == ("indexer", entry)
+    assert calls[entry] == 2 and calls["indexer"] == heads + 1 and plain_calls[entry] == heads
+    assert torch.equal(active, plain)
+    assert 0 < int(active.sum()) < active.numel()
+
+
+def _records(monkeypatch) -> list:
+    """Every :class:`recorders.Record` the adapter fills from now on, in order."""
+    seen, honest = [], layer.recorders.recording
+
+    @contextlib.contextmanager
+    def spying(mg, **kwargs):
+        with honest(mg, **kwargs) as record:
+            seen.append(record)
+            yield record
+    monkeypatch.setattr(layer.recorders, "recording", spying)
+    return seen
+
+
+@pytest.mark.parametrize("thd", [False, True], ids=["bshd", "thd"])
+def test_the_fused_indexer_gives_the_core_forwards_scores_and_runs_no_attention(megatron, monkeypatch, thd):
+    """``indexer`` on the emulated provider: the eval core forward's ``index_scores`` and ``topk_indices`` bit for
+    bit, and production's sparse attention (its FlashMLA adapter, which records ``lse``) never ran; the core forward
+    itself (control) runs it. Control for the agreement: another ``q_latent`` gives other scores."""
+    case = _case("core", thd)
+    tensors = materialize(case, "cpu")
+    inputs, psp, c = tensors.inputs, tensors.packed_seq_params, case.config
+    seen = _records(monkeypatch)
+    with megatron.context("emulated")():
+        scores, topk = megatron.api.indexer(inputs["hidden"], inputs["q_latent"], tensors.params, c, psp)
+        forward = megatron.api.core_attention(inputs["query"], inputs["kv"], inputs["hidden"], inputs["q_latent"],
+                                              tensors.params, c, psp, training=False)
+        other, _ = megatron.api.indexer(inputs["hidden"], inputs["q_latent"].flip(0), tensors.params, c, psp)
+    assert sign_split.same_bits(scores, forward.index_scores) and torch.equal(topk, forward.topk_indices)
+    assert not sign_split.same_bits(other, forward.index_scores)
+    assert "fused_scores" in seen[0] and "lse" not in seen[0]
+    assert "lse" in seen[1]
 
 
 def test_a_mask_one_row_late_is_caught_and_not_used(megatron, monkeypatch):
