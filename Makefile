@@ -5,14 +5,16 @@
 
 VENV      ?= .venv
 # `make parity` runs the GPU gate suite when CUDA is available (the cudnn / flashmla providers, where installed,
-# are then required for every stage they support), else the CPU smoke suite.
-SUITE     ?= $(shell $(PY) -c 'import torch; print("gate" if torch.cuda.is_available() else "smoke")' 2>/dev/null || echo smoke)
-# On CUDA with cudnn-frontend and FlashMLA importable, `cudnn` = the production set, each required for every stage it
-# supports on this architecture (a silent fallback fails the run); otherwise `auto` (the torch provider on a CPU).
-PROVIDER  ?= $(shell $(PY) -c 'import torch, cudnn, flash_mla; print("cudnn" if torch.cuda.is_available() else "auto")' 2>/dev/null || echo auto)
+# are then required for every stage they support), else the CPU smoke suite with the CPU-only metamorphic oracle
+# (the poisoned output gradient). On CUDA with cudnn-frontend and FlashMLA installed, PROVIDER `cudnn` = the
+# production set, each required for every stage it supports on this architecture (a silent fallback fails the run);
+# otherwise `auto` (the torch provider on a CPU). One probe (cli/make_defaults.py: "<suite> <provider> <oracles|->"),
+# run once and only by the targets that read these variables; a CPU build of torch is not even imported.
+MACHINE    = $(eval MACHINE := $$(shell $$(PY) -m cli.make_defaults 2>/dev/null || echo smoke auto padding-dout))$(MACHINE)
+SUITE     ?= $(word 1,$(MACHINE))
+PROVIDER  ?= $(word 2,$(MACHINE))
 OUT       ?= reports/out/latest
-# Metamorphic oracles `make parity` also runs on a CPU (fused, the smoke suite): the poisoned output gradient.
-CPU_ORACLES ?= $(shell $(PY) -c 'import torch; print("" if torch.cuda.is_available() else "padding-dout")' 2>/dev/null || echo padding-dout)
+CPU_ORACLES ?= $(filter-out -,$(wordlist 3,$(words $(MACHINE)),$(MACHINE)))
 WORKERS   ?= 2
 # CI hooks (empty by default: `make parity` runs exactly as without them): JUNIT=path also writes JUnit XML there;
 # RUN_ARGS adds `run` options, e.g. RUN_ARGS='--impl megatron --megatron ../Megatron-LM' (then `make parity` gates
