@@ -53,7 +53,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                         help="the summary on stdout: the terminal view (default), or markdown for a CI job summary "
                              "or PR comment, at most 64 KiB (reports/markdown.py)")
     _gate_options(report)
-    report.set_defaults(func=report_command)
+    report.set_defaults(func=report_command, torch_free=True)
 
     compare = subparsers.add_parser(
         "compare", help="relative-regression gate: fail when a tensor class's error grew over the baseline or "
@@ -70,7 +70,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                          help="write this run as baseline NAME (metrics.csv, env.json, gate.json) and exit 0")
     compare.add_argument("--render", action="store_true", help="also write results.csv / index.html with drift")
     _gate_options(compare)
-    compare.set_defaults(func=compare_command)
+    compare.set_defaults(func=compare_command, torch_free=True)
 
 
 def _baselines_dir(args: argparse.Namespace) -> Path:
