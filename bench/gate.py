@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from bench.harness import case_rows, engine_phases
-from parity.run.results import read_rows
+from parity.run.stream import read_rows
 from bench.targets import TARGETS
 from fused.kernels import compile_cache
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from parity.run.results import read_rows
+from parity.run.stream import read_rows
 from reports.render import render_run
 
 

@@ -40,4 +40,4 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--common-only", action="store_true",
                    help="judge only the cases both runs finished (time-limited or killed runs)")
     p.add_argument("--show", type=int, default=20, help="differences listed (default 20)")
-    p.set_defaults(func=command)
+    p.set_defaults(func=command, torch_free=True)

@@ -10,8 +10,9 @@ import cycle, ``tests/parity/test_imports.py``):
 ``policy``        the tolerance policy (``policy.json``, the one file of tolerances)
 ``names``         the names the command line lists without loading torch (oracles, output folders)
 ``run/``          running a suite: ``runner`` (selection, isolation, progress, exit code), ``worker`` / ``shard``
-                  (child processes, GPUs), ``execution`` (one request), ``results`` / ``resume`` / ``rundir`` (the
-                  stream, continuing it, the folder), ``progress``, ``environment``, ``junit``, ``memory``, ``usage``
+                  (child processes, GPUs), ``execution`` (one request), ``results`` / ``stream`` / ``resume`` /
+                  ``rundir`` (the stream: writing it, reading it without torch, continuing it; the folder),
+                  ``progress``, ``environment``, ``junit``, ``memory``, ``usage``
 ``judge/``        judging tensors: ``snapshot`` (one run forward + backward, tensors by name), ``metrics``,
                   ``structure`` (rule 1), ``verdict`` (the layered rules), ``topk`` (tie margins), ``sign_split``,
                   ``padding_dout`` (the padding-row contract), ``api_check`` (public compressor / indexer),

@@ -20,7 +20,7 @@ from cases.errors import CaseError
 
 from parity.impls import policy_provider
 from parity.policy import POLICY_PATH, validate
-from parity.run.results import StreamError, read_stream
+from parity.run.stream import StreamError, read_stream
 
 # metric -> how to take the worst: "max" of the value, or "min" (similarities)
 GATED = {"noise_floor_ratio": "max", "rmse_ratio": "max", "scale_ratio": "max", "cosine": "min",

@@ -36,7 +36,7 @@ VERDICT_CASE_FIELDS = ("outcome", "plan", "features")
 VERDICT_TENSOR_FIELDS = ("tensor_class", "dtype", "shape", "verdict")
 
 
-from parity.run.results import StreamError, read_stream
+from parity.run.stream import StreamError, read_stream
 
 
 class RunsError(ValueError):

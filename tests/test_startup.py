@@ -1,5 +1,6 @@
 """The command line parses and checks before it loads torch (issue 32, item 7): ``--help``, a typo, ``metamorphic
---list`` and ``cache`` never import it. Checked by what is deterministic — ``'torch' in sys.modules`` in a fresh
+--list``, ``cache`` and ``compare-runs`` never import it (nor do ``report`` / ``compare``,
+``tests/reports/test_commands.py``). Checked by what is deterministic — ``'torch' in sys.modules`` in a fresh
 process when the command ends — never by timing (``dsv4-parity bench --sections startup`` measures the time).
 """
 
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ["--help"], ["run", "--help"], ["metamorphic", "--help"], ["mutants", "--help"], ["bench", "--help"],
     ["cases", "--help"], ["rnu", "--suite", "smoke"], ["run", "--siute", "smoke"], ["run", "--suite", "smok"],
     ["run", "--oracle", "nope"], ["run", "--budget-s", "0"], ["metamorphic", "--list"], ["cache"],
+    ["compare-runs", "nowhere-a", "nowhere-b"],
 ], ids=lambda argv: " ".join(argv))
 def test_parsing_and_light_commands_do_not_load_torch(argv, tmp_path, monkeypatch):
     monkeypatch.setenv("DSV4_PARITY_CACHE_DIR", str(tmp_path))  # `cache` reads it (and nothing else here)
@@ -27,8 +29,8 @@ def test_parsing_and_light_commands_do_not_load_torch(argv, tmp_path, monkeypatc
 
 
 def test_the_probe_sees_torch_where_a_command_loads_it():
-    """Negative control: a command that needs torch (it reads a results stream) shows it loaded."""
-    assert torch_loaded(["compare-runs", "nowhere-a", "nowhere-b"])
+    """Negative control: a command that needs torch (it builds the suite's cases) shows it loaded."""
+    assert torch_loaded(["cases", "--suite", "smoke"])
 
 
 def stdlib_only(source: str) -> list[str]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from parity.history import git_tree
+from parity.run.stream import read_rows
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MODES = ("outcome", "tensors")
@@ -160,8 +161,6 @@ def _run(tree: Path, case_ids: Sequence[str], suite: str, provider: str, out: Pa
     if done.returncode not in (0, 1) or not stream.is_file():
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return "skip", {}, f"the step exited {done.returncode}: {tail}", ""
-    from parity.run.results import read_rows  # here: the parser of `dsv4-parity bisect` imports this module without torch
-
     rows = read_rows(stream)
     run_row = next((r for r in rows if r.get("type") == "run"), {})
     generation = str((run_row.get("impl_info") or {}).get("api_generation", ""))

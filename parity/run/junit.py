@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cases.vocabulary import OUTCOMES
 
-from parity.run.results import read_rows
+from parity.run.stream import read_rows
 
 
 def _label(case: dict) -> str:

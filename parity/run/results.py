@@ -28,6 +28,7 @@ from cases.vocabulary import ALWAYS_COUNTED, OUTCOMES
 
 from parity.judge.verdict import MetricRow, TensorResult
 from parity.run import out_of_memory
+from parity.run.stream import case_blocks, parse_lines
 
 FLOAT_MAX = 1.7976931348623157e308
 
@@ -220,17 +221,6 @@ def create_stream(path: Path, rows: Iterable[dict]) -> None:
         raise ResultsWriteError(exc.errno, f"cannot write {path}: {exc.strerror}") from None
 
 
-def read_rows(path: Path) -> list[dict]:
-    """The rows of a ``results.jsonl`` in file order (a torn line of a killed run is skipped)."""
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 @dataclass
 class Existing:
     run_row: Optional[dict]
@@ -238,65 +228,6 @@ class Existing:
     cut: list = field(default_factory=list)      # case ids whose rows were cut off (re-run)
     errored: list = field(default_factory=list)  # case ids that ended in an error (re-run)
     larger_gpu: list = field(default_factory=list)  # did not fit a smaller GPU than this one (re-run)
-
-
-def parse_lines(text: str) -> list[dict]:
-    """The JSON object rows of a stream, skipping torn or foreign lines."""
-    rows = []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn line from a killed run
-        if isinstance(row, dict) and "type" in row:
-            rows.append(row)
-    return rows
-
-
-class StreamError(ValueError):
-    """A results stream that cannot be read (missing, binary, not a dsv4-parity stream)."""
-
-
-def read_stream(path: Path) -> list[dict]:
-    """The rows of a ``results.jsonl`` (or of the one in a run directory); torn lines skipped. Raises
-    :class:`StreamError` for a missing or binary file and one without a ``run`` row."""
-    path = Path(path)
-    path = path / "results.jsonl" if path.is_dir() else path
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise StreamError(f"no results file at {path}") from None
-    except OSError as exc:
-        raise StreamError(f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise StreamError(f"{path} is not a results stream: binary or not UTF-8 text") from None
-    rows = parse_lines(text)
-    if not any(r.get("type") == "run" for r in rows):
-        raise StreamError(f"{path} is not a dsv4-parity results stream (no 'run' row)")
-    return rows
-
-
-def case_blocks(rows: list[dict]) -> tuple[list[list[dict]], list[str]]:
-    """``(whole case blocks, ids of cut-off cases)``: a block is a ``case`` row and the ``n_rows`` rows of that case
-    right after it (a ``case`` row without ``n_rows``, from before it was recorded, counts as whole)."""
-    blocks, cut = [], []
-    i = 0
-    while i < len(rows):
-        head = rows[i]
-        i += 1
-        if head.get("type") != "case":
-            continue
-        body = []
-        while i < len(rows) and rows[i].get("type") in ("tensor", "metric") and \
-                rows[i].get("case_id") == head.get("case_id"):
-            body.append(rows[i])
-            i += 1
-        expected = head.get("n_rows")
-        if expected is None or expected == len(body):
-            blocks.append([head, *body])
-        else:
-            cut.append(str(head.get("case_id")))
-    return blocks, cut
 
 
 def read_for_resume(path: Path, gpu_capacity: Optional[int] = None) -> Existing:

@@ -136,7 +136,7 @@ def test_a_full_disk_stops_the_run_keeps_the_finished_cases_and_resume_completes
     assert any(line.startswith(f"stopped after 1 of {len(TINY)} cases") and ": 1 passed, 0 failed" in line
                for line in closing), stdout
     assert closing[-1] == f"continue with: dsv4-parity run --out {out} --resume", stdout
-    from parity.run.results import case_blocks, parse_lines
+    from parity.run.stream import case_blocks, parse_lines
 
     blocks, cut = case_blocks(parse_lines((out / "results.jsonl").read_text()))
     assert [b[0]["case_id"] for b in blocks] == [TINY[0]] and cut == [TINY[1]]  # the second one cut mid-rows

@@ -14,7 +14,6 @@ LAZY = {
     ("worker", "parity.run.execution"): "the same",
     ("kernel_checks", "fused.kernels.flashmla_provider"): "GPU providers load only when asked for",
     ("kernel_checks", "fused.kernels.cudnn_provider"): "the same",
-    ("bisect", "parity.run.results"): "the parser of `dsv4-parity bisect` imports parity.history.bisect without torch",
 }
 
 
