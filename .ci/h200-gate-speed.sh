@@ -11,6 +11,10 @@
 #   mps       the warm fused gate under an MPS server (after `fused`: its kernel cache), the workers' kernels concurrent
 #   ops       bench --sections ops over 24 gate cases on the GPU (fused, cudnn): ATen ops per case and phase, the
 #             reference's and the comparison's by site (compare with reports/baselines/cpu/bench/NOTE-ops-20261206.md)
+#   signsplit .ci/probes/sign_split_entry.py on production's fused path (cudnn, the 2 largest bf16 layer and core gate
+#             cases): whether its indexer (the core forward stopped once the kernels have scored) agrees bit for bit
+#             with the case forward on the real kernels, and its time against one forward a head
+#             (reports/baselines/cpu/bench/NOTE-sign-split-20261208.md measured it on the CPU, emulated)
 # Megatron (production): .mg/megatron-lm-dev-*.tar.gz (the pinned snapshot), carried as .mg.
 # Usage: bash .ci/h200-gate-speed.sh STAGE ...
 set -uo pipefail
@@ -73,6 +77,11 @@ PY
       timeout -k 10 400 python3 -m cli bench --sections ops --harness-suite gate --harness-limit 24 --provider cudnn \
         --budget-s 360 --json "$out/bench-ops.json" --no-plot > "$out/bench-ops.log" 2>&1
       note "ops bench: exit $? in $(( $(date +%s) - t0 )) s: $(grep -m1 'ATen ops a case' "$out/bench-ops.log")" ;;
+    signsplit)
+      timeout -k 10 400 python3 .ci/probes/sign_split_entry.py --impl megatron --provider cudnn --count 2 \
+        > "$out/sign-split-megatron.txt" 2>&1
+      note "sign-split probe (megatron, cudnn): exit $? in $(( $(date +%s) - t0 )) s"
+      grep -E "probe|no pattern" "$out/sign-split-megatron.txt" | tee -a "$out/summary.txt" ;;
     *) note "unknown stage $stage" ;;
   esac
 done
