@@ -121,7 +121,7 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
 
 def _core_thd(query, kv, hidden, q_latent, params, config: ModelConfig, psp: PackedSeqParams, training: bool,
               topk_indices) -> AttentionOutput:
-    """THD: each padded segment is a B=1 sequence; rows are placed back, slack rows get out 0 / lse -inf.
+    """THD: each padded segment with rows is a B=1 sequence; rows are placed back, slack rows get out 0 / lse -inf.
 
     Padding rows keep their forward values but pass no gradient (their out / lse are detached) and are excluded
     from the loss, whose mean divides by the number of real rows.
@@ -144,8 +144,13 @@ def _core_thd(query, kv, hidden, q_latent, params, config: ModelConfig, psp: Pac
     outs, lses, kl_sums, topks, scores = [], [], [], [], []
     width = max(psp.max_seqlen_q, max((s.length for s in segs), default=0)) // INDEXER_RATIO
     pattern = activation.current_pattern() if c.has_indexer else None
+    work = compute_dtype(query.dtype)
     rows_of = [thd.segment_rows(x, segs) for x in (query, kv, hidden, q_latent)]
     for b, (s, query_b, kv_b, hidden_b, q_latent_b) in enumerate(zip(segs, *rows_of)):
+        if s.length == 0:  # an empty segment has no rows to attend or score; its loss term is 0, kept in the sum
+            if training and c.has_indexer:
+                kl_sums.append(torch.zeros((), dtype=work, device=query.device))
+            continue
         res = core_sequence(query_b[None], kv_b[None], hidden_b[None], q_latent_b[None],
                             params, c, compressed=one(compressed[b]), index_keys=one(index_keys[b]),
                             training=training,
@@ -161,7 +166,6 @@ def _core_thd(query, kv, hidden, q_latent, params, config: ModelConfig, psp: Pac
             scores.append(pad_columns(res.scores[0], width, float("-inf")))
 
     real = thd.real_row_mask(segs, T, query.device)
-    work = compute_dtype(query.dtype)
     out = thd.place_rows(outs, T, 0.0, like=query.new_empty((0, n, D)))
     lse = thd.place_rows(lses, T, float("-inf"), like=query.new_empty((0, n), dtype=work))
     out = torch.where(real.view(T, 1, 1), out, out.detach())

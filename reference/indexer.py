@@ -136,7 +136,7 @@ def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, t
     segs = thd.segments(packed_seq_params, T)
     width = max(packed_seq_params.max_seqlen_q, max((s.length for s in segs), default=0)) // INDEXER_RATIO
     segment_scores, segment_topk = [], []
-    for s in segs:
+    for s in (s for s in segs if s.length):  # an empty segment has no rows to score
         scores, topk = indexer_sequence(hidden[s.rows].unsqueeze(0), q_latent[s.rows].unsqueeze(0), params, config)
         segment_scores.append(pad_columns(scores[0], width, float("-inf")))
         segment_topk.append(topk[0])

@@ -129,3 +129,36 @@ def test_on_host_hands_back_host_offsets_unchanged_and_reports_bad_ones_later():
     bad = PackedSeqParams(torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0.0, 4.0]), 4)
     with pytest.raises(CaseError, match="cu_seqlens_q_padded"):
         thd.segments(thd.on_host(bad), 9)
+
+
+@pytest.mark.parametrize("scope", ["layer", "core"])
+def test_empty_and_short_segments_run_no_sequence_math(scope, monkeypatch):
+    """A segment with no rows runs no core attention, and one shorter than the ratio runs no compressor (it has no
+    entries): on the GPU each skipped call was hundreds of kernel launches. The values are the per-segment
+    definition's (``test_packed_equals_concatenated_segments`` on the same lengths). Control: a pack of segments that
+    all have rows and entries makes one call of each per segment, so the counts do see every call."""
+    import importlib
+
+    # by module name: the package's own `core_attention` is the public function
+    core_mod, compressor_mod = (importlib.import_module(f"reference.{m}") for m in ("core_attention", "compressor"))
+
+    calls = {"core": 0, "compressor": 0}
+    core_sequence, compress = core_mod.core_sequence, compressor_mod.compress_with_params
+
+    def counted_core(*args, **kwargs):
+        calls["core"] += 1
+        return core_sequence(*args, **kwargs)
+
+    def counted_compress(*args, **kwargs):
+        calls["compressor"] += 1
+        return compress(*args, **kwargs)
+
+    monkeypatch.setattr(core_mod, "core_sequence", counted_core)
+    monkeypatch.setattr(compressor_mod, "compress_with_params", counted_compress)
+    config = CONFIGS["r4_sparse"]  # a compressor and an indexer compressor, ratio 4
+    impl = attention_layer if scope == "layer" else core_attention
+    for lengths, core_calls, compressor_calls in (([0, 3, 11, 17, 0, 9], 4, 2 * 3), ([5, 11, 17, 9], 4, 2 * 4)):
+        calls.update(core=0, compressor=0)
+        case = case_of(config, thd_layout(lengths, slack=3), scope=scope)
+        run_with_grads(impl, case, materialized(case))
+        assert calls == {"core": core_calls, "compressor": compressor_calls}, (lengths, calls)
