@@ -10,11 +10,13 @@ VENV      ?= .venv
 # production set, each required for every stage it supports on this architecture (a silent fallback fails the run);
 # otherwise `auto` (the torch provider on a CPU). One probe (cli/make_defaults.py: "<suite> <provider> <oracles|->"),
 # run once and only by the targets that read these variables; a CPU build of torch is not even imported.
-MACHINE    = $(eval MACHINE := $$(shell $$(PY) -m cli.make_defaults 2>/dev/null || echo smoke auto padding-dout))$(MACHINE)
-SUITE     ?= $(word 1,$(MACHINE))
-PROVIDER  ?= $(word 2,$(MACHINE))
+# (not exported: a PARITY_DEFAULTS in the environment is not handed to the recipes' commands)
+PARITY_DEFAULTS = $(eval PARITY_DEFAULTS := $$(shell $$(PY) -m cli.make_defaults 2>/dev/null || echo smoke auto padding-dout))$(PARITY_DEFAULTS)
+unexport PARITY_DEFAULTS
+SUITE     ?= $(word 1,$(PARITY_DEFAULTS))
+PROVIDER  ?= $(word 2,$(PARITY_DEFAULTS))
 OUT       ?= reports/out/latest
-CPU_ORACLES ?= $(filter-out -,$(wordlist 3,$(words $(MACHINE)),$(MACHINE)))
+CPU_ORACLES ?= $(filter-out -,$(wordlist 3,$(words $(PARITY_DEFAULTS)),$(PARITY_DEFAULTS)))
 WORKERS   ?= 2
 # CI hooks (empty by default: `make parity` runs exactly as without them): JUNIT=path also writes JUnit XML there;
 # RUN_ARGS adds `run` options, e.g. RUN_ARGS='--impl megatron --megatron ../Megatron-LM' (then `make parity` gates

@@ -23,9 +23,11 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: Appended to a ``python -c`` probe: prints whether torch was loaded when the command finished.
-_PROBE = ("import sys, runpy\nsys.argv = {argv!r}\ntry:\n    runpy.run_module('cli', run_name='__main__')\n"
-          "except SystemExit:\n    pass\nprint('torch_loaded=' + str('torch' in sys.modules), file=sys.stderr)\n")
+#: A ``python -c`` probe: runs the command, then prints its exit code and whether torch was loaded when it finished
+#: (a command that crashes instead of exiting prints neither: :func:`probe_command` raises).
+_PROBE = ("import sys, runpy\nsys.argv = {argv!r}\ncode = 0\ntry:\n    runpy.run_module('cli', run_name='__main__')\n"
+          "except SystemExit as exc:\n    code = exc.code\n"
+          "print('exit=' + str(code) + ' torch_loaded=' + str('torch' in sys.modules), file=sys.stderr)\n")
 
 #: rows timed once, not ``repeats`` times: context, not the measurement (a torch import costs seconds)
 ONCE = ("import torch",)
@@ -53,12 +55,22 @@ def _time_once(argv: list[str], env: dict) -> tuple[float, int]:
     return time.perf_counter() - start, done.returncode
 
 
-def torch_loaded(argv: list[str]) -> bool:
-    """Whether ``python -m cli <argv>`` has torch in ``sys.modules`` when it exits (one extra, untimed child)."""
+def probe_command(argv: list[str]) -> tuple[bool, object]:
+    """``(torch loaded, exit code)`` of ``python -m cli <argv>`` when it exits (one extra, untimed child); raises
+    :class:`RuntimeError` with the tail of its stderr where the command crashed instead of exiting."""
     code = _PROBE.format(argv=["dsv4-parity", *argv])
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=300)
-    return "torch_loaded=True" in done.stderr
+    marks = [line for line in done.stderr.splitlines() if line.startswith("exit=") and " torch_loaded=" in line]
+    if not marks:
+        raise RuntimeError(f"dsv4-parity {' '.join(argv)} crashed: {done.stderr.strip()[-1500:]}")
+    exit_code, loaded = marks[-1].removeprefix("exit=").split(" torch_loaded=")
+    return loaded == "True", (int(exit_code) if exit_code.lstrip("-").isdigit() else exit_code)
+
+
+def torch_loaded(argv: list[str]) -> bool:
+    """Whether ``python -m cli <argv>`` has torch in ``sys.modules`` when it exits (:func:`probe_command`)."""
+    return probe_command(argv)[0]
 
 
 def startup(repeats: int = 5, log: Callable[[str], None] = lambda _: None) -> dict:

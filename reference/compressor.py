@@ -124,8 +124,11 @@ def compressor(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], prefix:
     ratio, d = compressor_geometry(prefix, config)
     packed_seq_params = thd.on_host(packed_seq_params)
     segments = thd.segments(packed_seq_params, hidden.shape[0])
-    # a segment shorter than the ratio has no entries (nothing to compute: its piece would be empty)
+    # a segment shorter than the ratio has no entries: nothing to compute, its piece would be empty (where no segment
+    # has any, every one runs: the weights and hidden then get a zero gradient, not none)
+    runs = [s.length >= ratio for s in segments]
+    runs = runs if any(runs) else [True] * len(segments)
     pieces = [compress_with_params(rows.unsqueeze(0), params, prefix, config, rotate=rotate)[0]
-              for s, rows in zip(segments, thd.segment_rows(hidden, segments)) if s.length >= ratio]
+              for run, rows in zip(runs, thd.segment_rows(hidden, segments)) if run]
     return thd.pack_compressed(pieces, packed_seq_params.total_comp_capacity, ratio, segments,
                                like=hidden.new_empty(0, d))

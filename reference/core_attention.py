@@ -146,8 +146,9 @@ def _core_thd(query, kv, hidden, q_latent, params, config: ModelConfig, psp: Pac
     pattern = activation.current_pattern() if c.has_indexer else None
     work = compute_dtype(query.dtype)
     rows_of = [thd.segment_rows(x, segs) for x in (query, kv, hidden, q_latent)]
+    any_rows = any(s.length for s in segs)  # a pack without rows runs its segments: zero gradients, not none
     for b, (s, query_b, kv_b, hidden_b, q_latent_b) in enumerate(zip(segs, *rows_of)):
-        if s.length == 0:  # an empty segment has no rows to attend or score; its loss term is 0, kept in the sum
+        if s.length == 0 and any_rows:  # no rows to attend or score; its loss term is 0, kept in the sum
             if training and c.has_indexer:
                 kl_sums.append(torch.zeros((), dtype=work, device=query.device))
             continue

@@ -1,4 +1,4 @@
-"""What ``make parity`` runs when not told (``cli/make_defaults.py``, read once by the Makefile's ``MACHINE``): the
+"""What ``make parity`` runs when not told (``cli/make_defaults.py``, read once by the Makefile's ``PARITY_DEFAULTS``): the
 suite, provider and CPU oracles from whether a GPU is usable, deciding from ``torch/version.py`` without importing a
 CPU build of torch. Checked by what is deterministic (the line printed, ``'torch' in sys.modules``, ``make -n``),
 never by timing."""
@@ -75,11 +75,11 @@ def _make_dry_run(*args: str) -> str:
 
 
 def test_make_parity_takes_suite_provider_and_oracles_from_the_one_probe():
-    """The Makefile's three variables are the probe's three fields; ``-`` is no oracle (``MACHINE`` given on the
+    """The Makefile's three variables are the probe's three fields; ``-`` is no oracle (``PARITY_DEFAULTS`` given on the
     command line stands for what the probe would print on a GPU runner)."""
-    gpu = _make_dry_run("parity", "MACHINE=gate cudnn -")
+    gpu = _make_dry_run("parity", "PARITY_DEFAULTS=gate cudnn -")
     assert "--suite gate --provider cudnn " in gpu and "--with-oracle" not in gpu
-    cpu = _make_dry_run("parity", "MACHINE=smoke auto padding-dout")
+    cpu = _make_dry_run("parity", "PARITY_DEFAULTS=smoke auto padding-dout")
     assert "--suite smoke --provider auto " in cpu and cpu.endswith("--with-oracle padding-dout")
     if make_defaults.cuda_available():
         pytest.skip("this machine has a GPU: the probe prints the GPU line here")

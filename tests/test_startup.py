@@ -89,3 +89,14 @@ def test_the_gate_loads_the_report_drawing_in_the_background_not_before_its_run(
              "print(before, 'reports.html' in sys.modules, 'matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True", "False"]
+
+
+def test_a_command_that_crashes_is_not_reported_as_torch_free(monkeypatch):
+    """The probe reads the marker the command prints on exit; a crash prints none, and is an error, never a
+    "torch not loaded" (control: a command that exits says its exit code)."""
+    import bench.startup as startup
+
+    assert startup.probe_command(["--help"]) == (False, 0)
+    monkeypatch.setattr(startup, "_PROBE", "import sys\nsys.argv = {argv!r}\nraise RuntimeError('boom')\n")
+    with pytest.raises(RuntimeError, match="(?s)crashed: .*boom"):
+        startup.torch_loaded(["--help"])

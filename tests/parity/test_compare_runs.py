@@ -162,8 +162,9 @@ def test_unreadable_input_is_a_usage_error(single, tmp_path, capsys):
 def test_the_comparison_runs_without_torch(single, tmp_path):
     """``compare-runs`` reads dictionaries only (:mod:`parity.run.stream`): a whole comparison, one that differs,
     leaves torch unloaded (control: ``tests/test_startup.py::test_the_probe_sees_torch_where_a_command_loads_it``)."""
-    from bench.startup import torch_loaded
+    from bench.startup import probe_command
 
     bumped = write(tmp_path / "bumped", [case_rows("a", value=0.25), case_rows("b", value=3e-7),
                                          case_rows("c", outcome="fail")])
-    assert not torch_loaded(["compare-runs", str(single), str(bumped)])
+    assert probe_command(["compare-runs", str(single), str(bumped)]) == (False, 1)  # ran, found the difference
+    assert probe_command(["compare-runs", str(single), str(single)]) == (False, 0)

@@ -162,3 +162,22 @@ def test_empty_and_short_segments_run_no_sequence_math(scope, monkeypatch):
         case = case_of(config, thd_layout(lengths, slack=3), scope=scope)
         run_with_grads(impl, case, materialized(case))
         assert calls == {"core": core_calls, "compressor": compressor_calls}, (lengths, calls)
+
+
+@pytest.mark.parametrize("lengths", [[0, 3, 2, 1], [5, 3]], ids=["all-short", "one-compresses"])
+def test_compressor_weights_keep_a_gradient_where_no_segment_has_an_entry(lengths):
+    """Skipping short segments must not cut the compressors out of the graph: where no segment of the pack reaches
+    the ratio, every segment still runs, so the compressor weights (and ``hidden``) get a zero gradient, not none,
+    as the rest of the reference does. Control: with one segment that compresses, the weights' gradient is nonzero."""
+    config = CONFIGS["r4_sparse"]
+    case = case_of(config, thd_layout(lengths, slack=3), scope="core")
+    tensors = materialized(case)
+    i = tensors.inputs
+    res = core_attention(i["query"], i["kv"], i["hidden"], i["q_latent"], tensors.params, config,
+                         tensors.packed_seq_params, training=True)
+    names = [n for n in tensors.params if ".compressor." in n] + ["hidden"]
+    leaves = [tensors.params[n] if n != "hidden" else i["hidden"] for n in names]
+    grads = dict(zip(names, torch.autograd.grad(res.objective(tensors.grad_output), leaves, allow_unused=True)))
+    assert [n for n, g in grads.items() if g is None] == []
+    weights_moved = any(bool(g.abs().sum() > 0) for n, g in grads.items() if n.endswith("linear_wkv.weight"))
+    assert weights_moved == (max(lengths) >= config.compress_ratio)

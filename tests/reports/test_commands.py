@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from bench.startup import torch_loaded
+from bench.startup import probe_command
 from cli import report_command as commands
 from cli.main import main as cli_main
 
@@ -100,12 +100,14 @@ def test_a_baseline_sharing_no_pair_is_an_input_error(runs, capsys, tmp_path):
 def test_report_and_the_drift_gate_do_their_work_without_loading_torch(copy_run, runs, tmp_path):
     """``report``, ``compare`` and ``compare --update`` read and write result files only: torch is never imported
     (``make report`` / ``make drift`` / ``make summary`` each paid its import, ~2.5 s on a 2-core CPU), and each did
-    its work (the files it writes exist). Control: ``run`` loads it
+    its work (its exit code; the files it writes exist). Control: ``run`` loads it
     (``tests/test_startup.py::test_the_probe_sees_torch_where_a_command_loads_it``)."""
     run = copy_run("base")
-    assert not torch_loaded(["report", str(run), "--baseline", "none", "--quiet"])
+    assert probe_command(["report", str(run), "--baseline", "none", "--quiet"]) == (False, 0)
     assert (run / "index.html").exists() and (run / "results.csv").exists()
-    assert not torch_loaded(["compare", str(runs["regressed"]), "--baseline", str(runs["base"])])
-    assert not torch_loaded(["compare", str(runs["base"]), "--update", "--baseline", "local/base",
-                             "--baselines-dir", str(tmp_path / "baselines")])
+    # the planted regression still fails the drift gate (exit 1); the unchanged run passes it
+    assert probe_command(["compare", str(runs["regressed"]), "--baseline", str(runs["base"])]) == (False, 1)
+    assert probe_command(["compare", str(runs["same"]), "--baseline", str(runs["base"])]) == (False, 0)
+    assert probe_command(["compare", str(runs["base"]), "--update", "--baseline", "local/base",
+                          "--baselines-dir", str(tmp_path / "baselines")]) == (False, 0)
     assert (tmp_path / "baselines" / "local" / "base" / "metrics.csv").exists()
