@@ -6,7 +6,6 @@ never by timing."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cli import make_defaults
+from tests.test_workflows import make_dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,12 +66,8 @@ def test_on_a_cpu_build_the_probe_prints_the_cpu_defaults_without_importing_torc
 
 
 def _make_dry_run(*args: str) -> str:
-    if shutil.which("make") is None:
-        pytest.skip("make is not installed")
-    done = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(ROOT), f"PYTHON={sys.executable}", *args],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return " ".join(done.stdout.replace("\\\n", " ").split())
+    """``make -n`` in this interpreter, the suite, provider and oracles left to the probe."""
+    return make_dry_run(*args, fixed=(f"PYTHON={sys.executable}",), timeout=300)
 
 
 def test_make_parity_takes_suite_provider_and_oracles_from_the_one_probe():

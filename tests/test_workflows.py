@@ -148,11 +148,12 @@ def test_no_workflow_env_shadows_a_makefile_variable():
     assert shadowed_make_variables("    env:\n      SUITE: ${{ inputs.suite }}\n", names) == ["SUITE"]
 
 
-def make_dry_run(*args: str) -> str:
+def make_dry_run(*args: str, fixed: tuple = ("PYTHON=python3", "SUITE=smoke", "PROVIDER=auto"), timeout: int = 60) -> str:
+    """``make -n`` of ``args`` with the ``fixed`` variables, its commands on one line each (continuations joined)."""
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    result = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(ROOT), "PYTHON=python3", "SUITE=smoke", "PROVIDER=auto", *args],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(ROOT), *fixed, *args],
+                            capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr
     return " ".join(result.stdout.replace("\\\n", " ").split())
 

@@ -53,6 +53,20 @@ def _check_split(topk_indices) -> None:
         raise CaseError("topk_indices", "production selects its own top-k; split mode is not available for megatron")
 
 
+def _rows(t: torch.Tensor, packed: bool) -> torch.Tensor:
+    """A harness row tensor (``hidden``, ``q_latent``) in production's layout: THD ``[T, ..]`` -> ``[T, 1, ..]`` (its
+    dummy batch dim), BSHD ``[B, S, ..]`` -> ``[S, B, ..]``."""
+    return t.unsqueeze(1) if packed else t.transpose(0, 1)
+
+
+def _core_query_key(query: torch.Tensor, kv: torch.Tensor, packed: bool) -> tuple:
+    """The core attention's ``query [.., n, D]`` / ``kv [.., D]`` in production's layout: THD ``[T, n, D]`` and
+    ``[T, 1, 1, D]``; BSHD ``[S, B, n, D]`` and ``[S, B, 1, D]`` (its key, which is also its value)."""
+    if packed:
+        return query, kv.view(-1, 1, 1, kv.shape[-1])
+    return query.transpose(0, 1), kv.transpose(0, 1).unsqueeze(2)
+
+
 #: why THD index scores are missing where production's per-segment THD loops made no top-k call
 NO_THD_SCORES = "production's THD indexer ran no per-segment top-k at this revision (no scores to read)"
 
@@ -137,7 +151,7 @@ def attention_layer(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], co
     packed = packed_seq_params is not None
     lead = tuple(hidden.shape[:1] if packed else hidden.shape[:2])
     with run_context(current(), config, hidden, training) as (mg, built):
-        x = hidden.unsqueeze(1) if packed else hidden.transpose(0, 1)
+        x = _rows(hidden, packed)
         psp = _megatron_psp(mg, packed_seq_params, hidden.shape[0]) if packed else None
         _check_covered(built, params)
         with recorders.recording(mg) as record:
@@ -164,12 +178,9 @@ def core_attention(query: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, 
     n, d = config.num_attention_heads, config.v_head_dim
     core_params = _under(params, CORE_PREFIX)
     with run_context(current(), config, query, training) as (mg, built):
-        if packed:
-            q, key, x, qr = query, kv.view(-1, 1, 1, d), hidden.unsqueeze(1), q_latent.unsqueeze(1)
-            psp = _megatron_psp(mg, packed_seq_params, query.shape[0])
-        else:
-            q, x, qr = (t.transpose(0, 1) for t in (query, hidden, q_latent))
-            key, psp = kv.transpose(0, 1).unsqueeze(2), None
+        q, key = _core_query_key(query, kv, packed)
+        x, qr = _rows(hidden, packed), _rows(q_latent, packed)
+        psp = _megatron_psp(mg, packed_seq_params, query.shape[0]) if packed else None
         _check_covered(built, core_params, CORE_PREFIX)
         with recorders.recording(mg) as record:
             out = functional_call(built.module.core_attention, core_params, (q, key, key, None),
@@ -210,12 +221,13 @@ def indexer(hidden: torch.Tensor, q_latent: torch.Tensor, params: Mapping[str, t
     lead = tuple(hidden.shape[:1] if packed else hidden.shape[:2])
     with torch.no_grad(), run_context(current(), config, hidden, False) as (mg, built):
         psp = _megatron_psp(mg, packed_seq_params, hidden.shape[0]) if packed else None
-        x = hidden.unsqueeze(1) if packed else hidden.transpose(0, 1)
-        qr = q_latent.unsqueeze(1) if packed else q_latent.transpose(0, 1)
+        x, qr = _rows(hidden, packed), _rows(q_latent, packed)
         if current() == "unfused":
             record = _indexer_module(mg, built, x, qr, params, psp, config)
-        else:
-            record = _core_until_scored(mg, built, x, qr, params, psp, config)
+        else:  # the core's query and KV, which the scores never read: zeros
+            n, d = config.num_attention_heads, config.v_head_dim
+            q, key = _core_query_key(hidden.new_zeros(lead + (n, d)), hidden.new_zeros(lead + (d,)), packed)
+            record = _core_until_scored(mg, built, q, key, x, qr, params, psp)
     topk, scores, _ = _indexer_outputs(record, config, packed_seq_params, lead)
     return (None if scores is None else scores.to(_wide(hidden.dtype))), topk
 
@@ -236,20 +248,16 @@ def _indexer_module(mg, built, x: torch.Tensor, qr: torch.Tensor, params: Mappin
     return record
 
 
-def _core_until_scored(mg, built, x: torch.Tensor, qr: torch.Tensor, params: Mapping[str, torch.Tensor], psp,
-                       config: ModelConfig) -> recorders.Record:
-    """A fused provider's eval core forward on production's ``x`` / ``qr``, zero query and KV, stopped once its
-    ``_indexer_topk_core`` has returned; its record (no ``fused_scores`` when production scored nothing: then the
-    forward ran to its end)."""
+def _core_until_scored(mg, built, q: torch.Tensor, key: torch.Tensor, x: torch.Tensor, qr: torch.Tensor,
+                       params: Mapping[str, torch.Tensor], psp) -> recorders.Record:
+    """A fused provider's eval core forward on production's ``q`` / ``key`` / ``x`` / ``qr`` (its layout), stopped
+    once its ``_indexer_topk_core`` has returned; its record (no ``fused_scores`` when production scored nothing: then
+    the forward ran to its end)."""
     core_params = _under(params, CORE_PREFIX)
     _check_covered(built, core_params, CORE_PREFIX)
-    n, d = config.num_attention_heads, config.v_head_dim
-    lead = x.shape[:1] if psp is not None else x.shape[:2]
-    query = x.new_zeros(tuple(lead) + (n, d))
-    key = x.new_zeros(tuple(lead) + (1, d)) if psp is None else x.new_zeros(lead[0], 1, 1, d)
     with recorders.recording(mg, stop_after_scores=True) as record:
         try:
-            functional_call(built.module.core_attention, core_params, (query, key, key, None),
+            functional_call(built.module.core_attention, core_params, (q, key, key, None),
                             {"x": x, "qr": qr, "packed_seq_params": psp}, strict=False)
         except recorders.ScoresRecorded:
             pass
@@ -279,7 +287,7 @@ def query_latent(hidden: torch.Tensor, params: Mapping[str, torch.Tensor], confi
         raise _QueryLatentSeen
 
     with torch.no_grad(), run_context(current(), config, hidden, False) as (mg, built):
-        x = hidden.unsqueeze(1) if packed else hidden.transpose(0, 1)
+        x = _rows(hidden, packed)
         psp = _megatron_psp(mg, packed_seq_params, hidden.shape[0]) if packed else None
         _check_covered(built, params)
         handle = built.module.core_attention.register_forward_pre_hook(capture, with_kwargs=True)

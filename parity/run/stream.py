@@ -12,14 +12,8 @@ from pathlib import Path
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of a ``results.jsonl`` in file order (a torn line of a killed run is skipped)."""
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    """The rows of a ``results.jsonl`` in file order (:func:`parse_lines`: a torn line of a killed run is skipped)."""
+    return parse_lines(Path(path).read_text(encoding="utf-8"))
 
 
 def parse_lines(text: str) -> list[dict]:
